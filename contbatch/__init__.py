@@ -1,0 +1,28 @@
+"""contbatch: a continuous-batching inference engine for `transformers` causal LMs."""
+
+from .api import continuous_batching, generate_batch
+from .cache import BlockManager, PagedAttentionCache
+from .config import ContinuousBatchingConfig, ResolvedConfig
+from .engine import ContinuousBatchingManager
+from .models import load_model
+from .requests import GenerationOutput, RequestState, RequestStatus
+from .scheduling import FIFOScheduler, PrefillFirstScheduler, Scheduler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockManager",
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "FIFOScheduler",
+    "GenerationOutput",
+    "PagedAttentionCache",
+    "PrefillFirstScheduler",
+    "RequestState",
+    "RequestStatus",
+    "ResolvedConfig",
+    "Scheduler",
+    "continuous_batching",
+    "generate_batch",
+    "load_model",
+]

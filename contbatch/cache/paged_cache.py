@@ -1,0 +1,122 @@
+"""The paged KV cache: per-layer K/V tensors addressed by block tables.
+
+Layout per layer: `[num_kv_heads, (num_blocks + 2) * block_size, head_dim]`. Heads first,
+so a step's new keys (`[1, H, T, D]` out of the model) are written with one `index_copy_`
+and no transpose. The two extra blocks are never handed out: the first holds the read-trash
+slot that padded reads point at, the second the write-trash slot for padded writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ..config import DEFAULT_MAX_MEMORY_PERCENT, MIN_BLOCK_SIZE
+from .block_manager import BlockManager, blocks_for
+
+logger = logging.getLogger("contbatch")
+
+RESERVED_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the model's KV: what one block costs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize
+
+    @classmethod
+    def from_model_config(cls, config, dtype: torch.dtype) -> "KVLayout":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+def solve_num_blocks(
+    layout: KVLayout,
+    block_size: int,
+    device: torch.device,
+    wanted_tokens: int,
+    max_memory_percent: float | None,
+    max_cpu_memory_percent: float,
+) -> tuple[int, str]:
+    """Pick `num_blocks` when the user did not; returns it with the rule that applied."""
+    per_block = layout.bytes_per_block(block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        share = max_memory_percent or DEFAULT_MAX_MEMORY_PERCENT
+        n = int(free * share) // per_block - RESERVED_BLOCKS
+        return max(1, n), f"gpu: {share:.0%} of {free / 2**30:.1f} GiB free device memory"
+    wanted = blocks_for(wanted_tokens, block_size)
+    available = psutil.virtual_memory().available
+    cap = max(1, int(available * max_cpu_memory_percent) // per_block - RESERVED_BLOCKS)
+    if wanted <= cap:
+        return wanted, f"cpu: workload needs {wanted_tokens} tokens (under the RAM cap of {cap} blocks)"
+    return cap, (
+        f"cpu: capped at {max_cpu_memory_percent:.0%} of {available / 2**30:.1f} GiB available RAM "
+        f"(workload wanted {wanted} blocks)"
+    )
+
+
+class PagedAttentionCache:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {block_size}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        rows = (num_blocks + RESERVED_BLOCKS) * block_size
+        shape = (layout.num_kv_heads, rows, layout.head_dim)
+        # Zeros, not empty: padded reads land in the trash block and must stay finite.
+        self.key_cache = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+        self.read_trash_slot = num_blocks * block_size
+        self.sentinel_slot = self.read_trash_slot + 1
+        self.write_trash_slot = (num_blocks + 1) * block_size
+        self.block_manager = BlockManager(num_blocks, block_size)
+
+    @property
+    def num_rows(self) -> int:
+        return (self.num_blocks + RESERVED_BLOCKS) * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+    def gather_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Row indices into the flattened `[H_kv * rows, D]` view that read `slots` ([..., n])
+        as `[..., H_kv, n, D]`, contiguous: one `index_select` per layer, no transpose copy."""
+        heads = torch.arange(self.layout.num_kv_heads, device=slots.device) * self.num_rows
+        return (heads[:, None] + slots.unsqueeze(-2)).reshape(-1)
+
+    def gather(self, layer_idx: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `index` (from `gather_index`), flat: `[len(index), D]`."""
+        d = self.layout.head_dim
+        return (
+            self.key_cache[layer_idx].view(-1, d).index_select(0, index),
+            self.value_cache[layer_idx].view(-1, d).index_select(0, index),
+        )
+
+    def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store a step's new K/V (`[H_kv, T, D]`) at their slots."""
+        self.key_cache[layer_idx].index_copy_(1, slots, key)
+        self.value_cache[layer_idx].index_copy_(1, slots, value)

@@ -1,0 +1,86 @@
+"""User-facing engine configuration, validated when built.
+
+Most fields default to `None`, a sentinel resolved at start-up from the model, the machine
+and the workload hints; `ContinuousBatchingManager.resolved_config` returns what is in force.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MIN_BLOCK_SIZE = 4
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_MAX_BATCH_TOKENS = 8192
+MIN_MAX_BATCH_TOKENS = 256
+FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
+DEFAULT_MAX_MEMORY_PERCENT = 0.9
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+DEFAULT_SAFETY_MARGINS = {"fifo": 0.15, "prefill_first": 0.0}
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    max_blocks_per_request: int | None = None
+    max_memory_percent: float | None = None
+    # Share of available host RAM the KV cache may take when it lives on the CPU.
+    max_cpu_memory_percent: float = 0.2
+    # Workload hints: size the cache and block tables for the real requests.
+    max_prompt_length: int | None = None
+    max_generated_length: int | None = None
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    max_queue_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_requests_per_batch is not None and self.max_requests_per_batch < 1:
+            raise ValueError(f"max_requests_per_batch must be >= 1, got {self.max_requests_per_batch}")
+        if self.max_blocks_per_request is not None and self.max_blocks_per_request < 1:
+            raise ValueError(f"max_blocks_per_request must be >= 1, got {self.max_blocks_per_request}")
+        for name in ("max_memory_percent", "max_cpu_memory_percent"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        if self.safety_margin is not None and not 0.0 <= self.safety_margin <= 1.0:
+            raise ValueError(f"Got safety_margin = {self.safety_margin} but expected a value in [0, 1]")
+        for name in ("max_prompt_length", "max_generated_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The values actually in force, after every sentinel is solved."""
+
+    device: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    num_blocks_rule: str
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    max_blocks_per_request: int
+    max_context: int
+    scheduler_type: str
+    safety_margin: float
+    attention_backend: str
+    decode_fast_path: bool
+    max_queue_size: int
+    kv_cache_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)

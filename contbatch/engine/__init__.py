@@ -1,0 +1,3 @@
+from .manager import ContinuousBatchingManager
+
+__all__ = ["ContinuousBatchingManager"]

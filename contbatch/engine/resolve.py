@@ -1,0 +1,105 @@
+"""Turn the user's config, the model and the machine into the values in force."""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..attention.paged import ATTENTION_NAME
+from ..cache.block_manager import blocks_for
+from ..cache.paged_cache import KVLayout, solve_num_blocks
+from ..config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_SAFETY_MARGINS,
+    FALLBACK_MAX_REQUESTS_PER_BATCH,
+    MIN_MAX_BATCH_TOKENS,
+    ContinuousBatchingConfig,
+    ResolvedConfig,
+)
+
+FALLBACK_CONTEXT = 2048
+FALLBACK_TABLE_TOKENS = 8192  # the reference engine's 32 x 256 fallback, as a floor
+
+
+def model_context(model: torch.nn.Module) -> int:
+    text = model.config.get_text_config()
+    return int(getattr(text, "max_position_embeddings", None) or FALLBACK_CONTEXT)
+
+
+def hinted_request_tokens(cfg: ContinuousBatchingConfig) -> int | None:
+    if cfg.max_prompt_length is None and cfg.max_generated_length is None:
+        return None
+    return (cfg.max_prompt_length or 0) + (cfg.max_generated_length or 0)
+
+
+def blocks_from_hint(max_prompt: int, max_generated: int, block_size: int) -> int:
+    """ceil(max_seq / block_size) + 1, rounded up to an even number of blocks."""
+    n = blocks_for(max_prompt + max_generated, block_size) + 1
+    return n + (n % 2)
+
+
+def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tuple[ResolvedConfig, KVLayout]:
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    layout = KVLayout.from_model_config(model.config, dtype)
+    bs = cfg.block_size
+    max_context = model_context(model)
+    per_request = hinted_request_tokens(cfg)
+    per_request = min(per_request, max_context) if per_request else max_context
+
+    max_batch_tokens = cfg.max_batch_tokens or max(MIN_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS)
+    max_requests = min(cfg.max_requests_per_batch or FALLBACK_MAX_REQUESTS_PER_BATCH, max_batch_tokens)
+
+    if cfg.num_blocks is not None:
+        num_blocks, rule = cfg.num_blocks, "explicit"
+    else:
+        num_blocks, rule = solve_num_blocks(
+            layout, bs, device, max_requests * blocks_for(per_request, bs) * bs, cfg.max_memory_percent,
+            cfg.max_cpu_memory_percent,
+        )
+        # One request must always fit, or it could wait forever.
+        floor = blocks_for(per_request, bs)
+        if num_blocks < floor:
+            num_blocks, rule = floor, rule + f"; raised to {floor} blocks so one full request fits"
+    max_requests = min(max_requests, num_blocks)
+
+    if cfg.max_blocks_per_request is not None:
+        max_blocks = cfg.max_blocks_per_request
+    elif hinted_request_tokens(cfg) is not None:
+        max_blocks = blocks_from_hint(cfg.max_prompt_length or 0, cfg.max_generated_length or 0, bs)
+    else:
+        max_blocks = max(blocks_for(FALLBACK_TABLE_TOKENS, bs), blocks_for(max_context, bs))
+
+    margin = cfg.safety_margin if cfg.safety_margin is not None else DEFAULT_SAFETY_MARGINS[cfg.scheduler_type]
+    resolved = ResolvedConfig(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=bs,
+        num_blocks=num_blocks,
+        num_blocks_rule=rule,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
+        max_blocks_per_request=max_blocks,
+        max_context=max_context,
+        scheduler_type=cfg.scheduler_type,
+        safety_margin=margin,
+        attention_backend=f"{ATTENTION_NAME} (torch {device.type})",
+        decode_fast_path=True,
+        max_queue_size=cfg.max_queue_size,
+        kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
+    )
+    return resolved, layout
+
+
+def describe(resolved: ResolvedConfig) -> str:
+    gib = resolved.kv_cache_bytes / 2**30
+    return (
+        f"contbatch engine: device={resolved.device} dtype={resolved.dtype} "
+        f"blocks={resolved.num_blocks}x{resolved.block_size} (+2 reserved, {gib:.2f} GiB; {resolved.num_blocks_rule}) "
+        f"max_batch_tokens={resolved.max_batch_tokens} max_requests_per_batch={resolved.max_requests_per_batch} "
+        f"max_blocks_per_request={resolved.max_blocks_per_request} "
+        f"(addresses {resolved.max_blocks_per_request * resolved.block_size} tokens) "
+        f"max_context={resolved.max_context} scheduler={resolved.scheduler_type} "
+        f"safety_margin={resolved.safety_margin} attention={resolved.attention_backend} "
+        f"decode_fast_path={resolved.decode_fast_path} max_queue_size={resolved.max_queue_size or 'unlimited'}"
+    )

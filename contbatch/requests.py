@@ -1,0 +1,125 @@
+"""Request lifecycle types shared by every layer: the one place request state lives.
+
+`RequestState` is mutated only by the scheduler and the manager, in the engine thread; other
+threads see immutable `GenerationOutput` snapshots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestStatus(str, Enum):
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+@dataclass
+class GenerationOutput:
+    """What a caller gets back: a snapshot, safe to hand to other threads."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int]
+    status: RequestStatus
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+    queued_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_done
+
+
+@dataclass
+class RequestState:
+    """A request as the engine sees it.
+
+    The engine only tracks `all_token_ids` (prompt + generated) and how many of them already
+    have KV in the cache (`num_computed_tokens`). Prefill, chunked prefill, decode and the
+    recompute after a soft reset are then one operation: compute the tokens past
+    `num_computed_tokens`, and sample when the chunk reaches the end of the sequence.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    max_context: int | None = None
+    streaming: bool = False
+    arrival: int = 0  # monotonically increasing submission number: FIFO order
+    status: RequestStatus = RequestStatus.PENDING
+    generated_tokens: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    soft_resets: int = 0
+    queued_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens still to be run through the model before the next sample."""
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    def append_token(self, token: int) -> None:
+        """Record a sampled token and finish the request if a stop condition holds."""
+        now = time.time()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.generated_tokens.append(token)
+        self.all_token_ids.append(token)
+        self.status = RequestStatus.DECODING
+        if token in self.eos_token_ids:
+            self.finish(RequestStatus.FINISHED, "stop")
+        elif len(self.generated_tokens) >= self.max_new_tokens:
+            self.finish(RequestStatus.FINISHED, "length")
+        elif self.max_context is not None and len(self.all_token_ids) >= self.max_context:
+            self.finish(RequestStatus.FINISHED, "length")
+
+    def soft_reset(self) -> None:
+        """Forget the KV: generated tokens stay in `all_token_ids` and get recomputed."""
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.PENDING
+        self.soft_resets += 1
+
+    def finish(self, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        self.status = status
+        self.finish_reason = reason
+        self.error = error
+        self.finished_at = time.time()
+
+    def to_output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=list(self.generated_tokens),
+            status=self.status,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            queued_at=self.queued_at,
+            first_token_at=self.first_token_at,
+            finished_at=self.finished_at,
+        )

@@ -1,0 +1,3 @@
+from .greedy import greedy
+
+__all__ = ["greedy"]

@@ -1,0 +1,187 @@
+"""Which requests run in the next step, and how many tokens each.
+
+A scheduler owns the waiting queue and the running set, and answers one question per step
+under three budgets: query tokens (`max_batch_tokens`), requests (`max_requests_per_batch`)
+and cache blocks. It knows requests and the block manager, never tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache.block_manager import BlockManager
+from ..requests import RequestState, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    state: RequestState
+    num_tokens: int  # computed this step, starting at state.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known sequence, so the step samples a token."""
+        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)  # soft reset this step
+    held_by_margin: int = 0  # waiting requests held back by the safety margin
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Shared bookkeeping; subclasses choose the order of running work."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        safety_margin: float = 0.0,
+    ) -> None:
+        if not 0.0 <= safety_margin <= 1.0:
+            raise ValueError(f"Got safety_margin = {safety_margin} but expected a value in [0, 1]")
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.safety_margin = safety_margin
+        self.waiting: deque[RequestState] = deque()
+        self.running: dict[str, RequestState] = {}
+        self.soft_resets = 0
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request_id: str) -> RequestState | None:
+        """Take a request out wherever it is (cancel, failure) and free its blocks."""
+        state = self.running.pop(request_id, None)
+        if state is None:
+            for i, waiting in enumerate(self.waiting):
+                if waiting.request_id == request_id:
+                    state = waiting
+                    del self.waiting[i]
+                    break
+        self.block_manager.free(request_id)
+        return state
+
+    def finish(self, state: RequestState) -> None:
+        self.running.pop(state.request_id, None)
+        self.block_manager.free(state.request_id)
+
+    def _preempt(self, state: RequestState, plan: StepPlan) -> None:
+        """Soft reset: free the blocks, keep the tokens, queue again ahead of new arrivals."""
+        del self.running[state.request_id]
+        self.block_manager.free(state.request_id)
+        state.soft_reset()
+        self.soft_resets += 1
+        # Victims are taken newest first, so appendleft keeps the queue in arrival order.
+        self.waiting.appendleft(state)
+        plan.preempted.append(state)
+
+    # -- one step ------------------------------------------------------------------------
+    def _running_order(self, by_arrival: list[RequestState]) -> list[RequestState]:
+        raise NotImplementedError
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        tokens_left = self.max_batch_tokens
+        scheduled: set[str] = set()
+        by_arrival = sorted(self.running.values(), key=lambda s: s.arrival)
+
+        for state in self._running_order(by_arrival):
+            if tokens_left == 0 or len(plan.chunks) >= self.max_requests_per_batch:
+                break
+            if state.request_id not in self.running:  # preempted earlier in this step
+                continue
+            want = min(state.remaining_tokens, tokens_left)
+            got = self._grow_running(state, want, scheduled, plan)
+            if got:
+                plan.chunks.append(ScheduledChunk(state, got))
+                scheduled.add(state.request_id)
+                tokens_left -= got
+
+        bm = self.block_manager
+        reserve = self.safety_margin * bm.num_blocks
+        while self.waiting and tokens_left > 0 and len(plan.chunks) < self.max_requests_per_batch:
+            state = self.waiting[0]
+            if plan.chunks and bm.num_free_blocks < reserve:
+                plan.held_by_margin = len(self.waiting)
+                break
+            room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens
+            got = min(state.remaining_tokens, tokens_left, room)
+            if got <= 0:
+                break  # FIFO: nobody overtakes the head of the queue
+            bm.ensure(state.request_id, state.num_computed_tokens + got)
+            self.waiting.popleft()
+            state.status = RequestStatus.PREFILLING
+            self.running[state.request_id] = state
+            plan.chunks.append(ScheduledChunk(state, got))
+            scheduled.add(state.request_id)
+            tokens_left -= got
+        return plan
+
+    def _grow_running(self, state: RequestState, want: int, scheduled: set[str], plan: StepPlan) -> int:
+        """Get blocks for `want` tokens of a running request, preempting newer work if needed.
+
+        Returns the tokens it may compute this step (a prefill may get a shorter chunk; 0
+        means the request itself was soft reset to make room for older ones).
+        """
+        bm = self.block_manager
+        target = state.num_computed_tokens + want
+        while not bm.ensure(state.request_id, target):
+            victim = next(
+                (
+                    s
+                    for s in sorted(self.running.values(), key=lambda s: s.arrival, reverse=True)
+                    if s.request_id not in scheduled and s is not state
+                ),
+                None,
+            )
+            if victim is None:
+                break
+            self._preempt(victim, plan)
+        else:
+            return want
+        room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens
+        if room > 0 and state.status == RequestStatus.PREFILLING:
+            bm.ensure(state.request_id, state.num_computed_tokens + room)
+            return room
+        if len(self.running) > 1:
+            self._preempt(state, plan)
+        return 0
+
+    def reserve_blocks(self) -> int:
+        return math.ceil(self.safety_margin * self.block_manager.num_blocks)
+
+
+class FIFOScheduler(Scheduler):
+    """Decodes first, then in-flight prefills, then new requests by arrival."""
+
+    def _running_order(self, by_arrival: list[RequestState]) -> list[RequestState]:
+        decodes = [s for s in by_arrival if s.status == RequestStatus.DECODING]
+        prefills = [s for s in by_arrival if s.status != RequestStatus.DECODING]
+        return decodes + prefills
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Finishes in-flight chunked prefills before resuming decodes."""
+
+    def _running_order(self, by_arrival: list[RequestState]) -> list[RequestState]:
+        prefills = [s for s in by_arrival if s.status != RequestStatus.DECODING]
+        decodes = [s for s in by_arrival if s.status == RequestStatus.DECODING]
+        return prefills + decodes
+
+
+SCHEDULER_MAPPING: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}

@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random-weight models of several architectures, and the default model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+TINY_VOCAB = 512
+
+
+def _tiny_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        # Wider weights than the default 0.02 make logits peaked, so greedy argmax is decided
+        # by real margins rather than float-rounding noise.
+        initializer_range=0.2,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32)
+    raise ValueError(arch)
+
+
+def make_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def tiny_model(request):
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_model():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from contbatch import load_model
+
+    return load_model()
+
+
+def random_prompts(n: int, min_len: int, max_len: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def reference_generate(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """`model.generate` on one unpadded prompt: the ground truth for greedy exactness."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+    # generate() fills a None eos from the model's own generation config; blank that too.
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), generation_config=gc, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+            )
+    finally:
+        model.generation_config.eos_token_id = saved
+    return out[0, len(prompt) :].tolist()
