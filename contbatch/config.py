@@ -34,6 +34,12 @@ class ContinuousBatchingConfig:
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
     max_queue_size: int = 0
+    # Prefix caching: share complete blocks across requests by content hash.
+    allow_block_sharing: bool = True
+    prefix_cache_eviction: str = "lru"  # "lru" (least recently released first) or "mru"
+    # CPU offload tier for KV-pressure victims, in GiB (0 disables: soft reset instead).
+    cpu_offload_space: float = 0.0
+    cpu_offload_space_safety_threshold: float = 0.8
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -58,6 +64,14 @@ class ContinuousBatchingConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.prefix_cache_eviction not in ("lru", "mru"):
+            raise ValueError(f"prefix_cache_eviction must be 'lru' or 'mru', got {self.prefix_cache_eviction!r}")
+        if self.cpu_offload_space < 0:
+            raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")
+        if not 0.0 < self.cpu_offload_space_safety_threshold <= 1.0:
+            raise ValueError(
+                f"cpu_offload_space_safety_threshold must be in (0, 1], got {self.cpu_offload_space_safety_threshold}"
+            )
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 
@@ -81,6 +95,12 @@ class ResolvedConfig:
     decode_fast_path: bool
     max_queue_size: int
     kv_cache_bytes: int
+    prefix_sharing: bool
+    prefix_cache_eviction: str
+    cpu_offload_blocks: int
+    cpu_offload_gib: float
+    sliding_window_layers: int  # layers attending to a window rather than the whole sequence
+    notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -39,6 +39,15 @@ def _tiny_config(arch: str):
         return transformers.Qwen2Config(**common, use_sliding_window=False)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
+    # Sliding-window models, with a window far shorter than the prompts.
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=8)
+    alternating = ["sliding_attention", "full_attention"] * 2
+    common.update(num_hidden_layers=4, head_dim=16)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, sliding_window=8, layer_types=alternating)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(**common, sliding_window=8, layer_types=alternating)
     raise ValueError(arch)
 
 
@@ -47,12 +56,19 @@ def make_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = _tiny_config(arch)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    # Gemma 2 soft-caps its scores, which SDPA cannot: its reference runs eager.
+    attn = "eager" if arch == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     return model.eval()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_model(request):
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session", params=["mistral", "gemma2", "gemma3"])
+def sliding_model(request):
     return make_tiny_model(request.param)
 
 

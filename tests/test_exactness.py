@@ -34,6 +34,22 @@ def test_tiny_models_mixed_batch_chunked_small_blocks(tiny_model):
     _check(tiny_model, prompts, 12, config)
 
 
+def test_sliding_window_models(sliding_model):
+    """Mistral (every layer windowed) and Gemma 2/3 (alternating, Gemma 2 soft-capped):
+    prompts up to 8x the window, chunked, across 4-token blocks."""
+    prompts = random_prompts(24, 1, 64, seed=12)
+    with continuous_batching(
+        sliding_model, GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None),
+        ContinuousBatchingConfig(block_size=4, max_batch_tokens=40),
+    ) as manager:
+        assert manager.resolved_config.sliding_window_layers > 0
+        assert any("sliding-window" in note for note in manager.resolved_config.notes)
+        ids = manager.add_requests(prompts)
+        outs = [manager.get_result(rid, timeout=120) for rid in ids]
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(sliding_model, prompt, 10)
+
+
 def test_tiny_model_default_config(llama_model):
     prompts = random_prompts(20, 1, 60, seed=2)
     _check(llama_model, prompts, 10, ContinuousBatchingConfig())

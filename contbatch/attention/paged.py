@@ -31,9 +31,17 @@ ENGINE_MASK = torch.empty(1, 1, 0, 0)
 _fallbacks: dict[int, str] = {}
 
 
+def _softmax_scores(scores: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Scale (and soft-cap, Gemma-2 style) raw scores in float32, before the mask."""
+    scores = scores.float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
 def _decode_attention(
     query: torch.Tensor, group: DecodeGroup, cache: PagedAttentionCache, layer: int, scaling: float,
-    sliding_window: int | None,
+    sliding_window: int | None, softcap: float | None,
 ) -> torch.Tensor:
     """query: [H, B, D] for the B rows of a decode group; returns [B, H, D]."""
     num_heads, batch, head_dim = query.shape
@@ -43,7 +51,7 @@ def _decode_attention(
     values = values.view(batch, kv_heads, group.kv_len, head_dim)
     # Fold the query heads that share a KV head into one matrix: K/V are never repeated.
     q = query.transpose(0, 1).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling
+    scores = _softmax_scores(torch.matmul(q, keys.transpose(-1, -2)), scaling, softcap)
     scores = scores + group.mask(sliding_window)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
@@ -56,6 +64,20 @@ def _prefill_mask(q_len: int, kv_len: int, sliding_window: int | None, device: t
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     return visible
+
+
+def _grouped_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    """Attention in plain matmuls, for what SDPA cannot express (soft-capping).
+    q: [1, H, n, D]; k, v: [1, H_kv, L, D]; visible: [n, L]. Returns [1, H, n, D]."""
+    _, num_heads, n, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q[0].reshape(kv_heads, num_heads // kv_heads, n, head_dim)
+    scores = _softmax_scores(torch.matmul(qg, k[0].unsqueeze(1).transpose(-1, -2)), scaling, softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v[0].unsqueeze(1)).reshape(1, num_heads, n, head_dim)
 
 
 def paged_attention_forward(
@@ -77,8 +99,8 @@ def paged_attention_forward(
         return _fallback_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs
         )
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("contbatch paged attention does not support logit soft-capping or attention sinks yet")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("contbatch paged attention does not support attention sinks (s_aux) yet")
     meta = cb_meta
     layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -88,7 +110,7 @@ def paged_attention_forward(
     out = query.new_empty(total, num_heads, head_dim)
     for group in meta.decode_groups:
         rows = slice(group.row_start, group.row_start + group.num_rows)
-        out[rows] = _decode_attention(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window)
+        out[rows] = _decode_attention(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap)
     for row in meta.prefill_rows:
         s, n = row.q_start, row.q_len
         q = query[:, :, s : s + n]
@@ -97,7 +119,9 @@ def paged_attention_forward(
         else:
             k, v = meta.cache.gather(layer, row.kv_index)
             k, v = k.view(1, -1, row.kv_len, head_dim), v.view(1, -1, row.kv_len, head_dim)
-        if row.kv_index is None and sliding_window is None:
+        if softcap is not None:
+            o = _grouped_prefill(q, k, v, _prefill_mask(n, row.kv_len, sliding_window, query.device), scaling, softcap)
+        elif row.kv_index is None and sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             mask = _prefill_mask(n, row.kv_len, sliding_window, query.device)

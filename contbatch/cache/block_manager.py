@@ -1,11 +1,22 @@
-"""Block allocation: a free list and one block table per request.
+"""Block allocation: a free list, one block table per request, and prefix sharing.
 
 Knows nothing of tensors or scheduling; it hands out block ids and takes them back.
+
+Prefix sharing: a block whose `block_size` tokens are all computed gets a content hash chained
+on its parent's (so equal hashes mean equal prefixes, checked against the stored tokens).
+Other requests with the same prefix reuse it by reference count. When its last user leaves it
+stays, still hashed, in the free pool as cache, and is evicted only when no content-free block
+is left. Eviction is least recently released first (LRU, like vLLM): a prefix that many
+requests keep coming back to is released often and so stays, while one-off tails go first.
+`benchmarks/prefix_eviction.py` measures why against the reference engine's opposite order.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("lru", "mru")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -13,16 +24,46 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self.block_tables: dict[str, list[int]] = {}
+@dataclass(frozen=True)
+class BlockKey:
+    parent: int | None  # hash of the previous block of the sequence
+    tokens: tuple[int, ...]
 
     @property
+    def hash(self) -> int:
+        return hash((self.parent, self.tokens))
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = False, eviction: str = "lru"
+    ) -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_sharing = enable_prefix_sharing
+        self.eviction = eviction
+        self._free: deque[int] = deque(range(num_blocks))  # free, holding nothing reusable
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free, hashed: in release order
+        self._refs = [0] * num_blocks
+        self._keys: list[BlockKey | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashed: dict[str, int] = {}  # leading blocks of each table already hashed
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+        self.evictions = 0
+
+    # -- capacity ------------------------------------------------------------------------
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: content-free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -33,20 +74,94 @@ class BlockManager:
 
     def capacity_tokens(self, request_id: str) -> int:
         """Tokens the request could hold if it took every free block."""
-        return (len(self.table(request_id)) + len(self._free)) * self.block_size
+        return (len(self.table(request_id)) + self.num_free_blocks) * self.block_size
+
+    # -- allocation ----------------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._cached.popitem(last=self.eviction == "mru")
+            del self._by_hash[self._keys[block].hash]
+            self._keys[block] = None
+            self.evictions += 1
+        self._refs[block] = 1
+        return block
 
     def ensure(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to hold `num_tokens`; all or nothing."""
         missing = self.blocks_missing(request_id, num_tokens)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             return False
         if missing:
             table = self.block_tables.setdefault(request_id, [])
-            table.extend(self._free.popleft() for _ in range(missing))
+            table.extend(self._take() for _ in range(missing))
         return True
 
     def free(self, request_id: str) -> int:
-        """Return every block of the request to the pool; returns how many."""
+        """Drop the request's references; returns how many blocks it held.
+
+        Tail blocks are released first, so a sequence's head (the part most likely shared)
+        is the most recently released and the last evicted.
+        """
         table = self.block_tables.pop(request_id, [])
-        self._free.extend(table)
+        self._hashed.pop(request_id, None)
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                key = self._keys[block]
+                if key is not None and self._by_hash.get(key.hash) == block:
+                    self._cached[block] = None
+                else:  # never hashed, or a twin of a block that already serves this prefix
+                    self._keys[block] = None
+                    self._free.append(block)
         return len(table)
+
+    # -- prefix sharing ------------------------------------------------------------------
+    def _keys_for(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
+        bs = self.block_size
+        for i in range(start, num_blocks):
+            key = BlockKey(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            parent = key.hash
+            yield key
+
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Attach cached blocks holding a prefix of `token_ids` to a request with no blocks.
+
+        Returns the tokens whose KV is now in place. The last token is always left to compute:
+        the step needs its logits.
+        """
+        if not self.enable_prefix_sharing or self.block_tables.get(request_id):
+            return 0
+        eligible = (len(token_ids) - 1) // self.block_size
+        self.prefix_queries += eligible * self.block_size
+        table: list[int] = []
+        for key in self._keys_for(token_ids, eligible):
+            block = self._by_hash.get(key.hash)
+            if block is None or self._keys[block] != key:
+                break
+            if self._refs[block] == 0:
+                del self._cached[block]
+            self._refs[block] += 1
+            table.append(block)
+        if table:
+            self.block_tables[request_id] = table
+            self._hashed[request_id] = len(table)
+        self.prefix_hits += len(table) * self.block_size
+        return len(table) * self.block_size
+
+    def commit(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Hash the request's blocks that `num_computed` tokens have just completed."""
+        if not self.enable_prefix_sharing:
+            return
+        table = self.block_tables.get(request_id, [])
+        done = self._hashed.get(request_id, 0)
+        full = min(num_computed // self.block_size, len(table))
+        if full <= done:
+            return
+        parent = self._keys[table[done - 1]].hash if done else None
+        for i, key in enumerate(self._keys_for(token_ids, full, done, parent), start=done):
+            block = table[i]
+            self._keys[block] = key
+            self._by_hash.setdefault(key.hash, block)  # first writer wins; a twin stays private
+        self._hashed[request_id] = full

@@ -77,6 +77,8 @@ class PagedAttentionCache:
         num_blocks: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        enable_prefix_sharing: bool = False,
+        eviction: str = "lru",
     ) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {block_size}")
@@ -92,7 +94,7 @@ class PagedAttentionCache:
         self.read_trash_slot = num_blocks * block_size
         self.sentinel_slot = self.read_trash_slot + 1
         self.write_trash_slot = (num_blocks + 1) * block_size
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_sharing, eviction)
 
     @property
     def num_rows(self) -> int:
@@ -115,6 +117,40 @@ class PagedAttentionCache:
             self.key_cache[layer_idx].view(-1, d).index_select(0, index),
             self.value_cache[layer_idx].view(-1, d).index_select(0, index),
         )
+
+    def slots_of(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """Cache slots of the first `num_tokens` positions of a sequence stored in `blocks`."""
+        pos = torch.arange(num_tokens, device=self.device)
+        table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def copy_out(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K/V for every layer, as two host tensors `[layers, H_kv * n, D]`.
+
+        One gather per layer on the device, then one batched device-to-host copy (into pinned
+        memory, asynchronously, when the cache is on a GPU).
+        """
+        index = self.gather_index(self.slots_of(blocks, num_tokens))
+        d = self.layout.head_dim
+        out = []
+        for tensors in (self.key_cache, self.value_cache):
+            stacked = torch.stack([t.view(-1, d).index_select(0, index) for t in tensors])
+            if self.device.type == "cuda":
+                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                stacked = host
+            out.append(stacked)
+        return out[0], out[1]
+
+    def copy_in(self, blocks: list[int], num_tokens: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put back what `copy_out` took, into (possibly different) blocks."""
+        index = self.gather_index(self.slots_of(blocks, num_tokens))
+        d = self.layout.head_dim
+        keys = keys.to(self.device, non_blocking=True)
+        values = values.to(self.device, non_blocking=True)
+        for layer in range(self.layout.num_layers):
+            self.key_cache[layer].view(-1, d).index_copy_(0, index, keys[layer])
+            self.value_cache[layer].view(-1, d).index_copy_(0, index, values[layer])
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's new K/V (`[H_kv, T, D]`) at their slots."""

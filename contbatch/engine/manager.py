@@ -56,6 +56,7 @@ class ContinuousBatchingManager:
         self._live: set[str] = set()  # submitted, not finished
         self._known: set[str] = set()  # submitted, result not yet retrieved
         self._streams: dict[str, queue.Queue] = {}
+        self._host_kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # offloaded requests
         self._handlers: list[Callable[[GenerationOutput], None]] = []
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
@@ -74,13 +75,16 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("contbatch manager already running; start() ignored")
             return
-        if self.cache is None:
-            r = self.resolved_config
-            self.cache = PagedAttentionCache(self._layout, r.num_blocks, r.block_size, r.device)
         r = self.resolved_config
+        if self.cache is None:
+            self.cache = PagedAttentionCache(
+                self._layout, r.num_blocks, r.block_size, r.device, r.prefix_sharing, r.prefix_cache_eviction
+            )
         self.scheduler = SCHEDULER_MAPPING[r.scheduler_type](
-            self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin
+            self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin,
+            r.cpu_offload_blocks,
         )
+        self._host_kv.clear()
         self._attach_attention()
         logger.info(describe(r))
         self._stop_mode = None
@@ -131,23 +135,10 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
     ) -> str:
-        if not self._accepting or not self.is_running():
-            raise RuntimeError("the manager is not running: call start() before adding requests")
+        self._check_running()
         state = self._make_state(input_ids, request_id, max_new_tokens, streaming, eos_token_id)
-        rid = state.request_id
-        with self._cond:
-            if rid in self._known:
-                raise ValueError(f"request id {rid!r} is already in use (live, or its result not yet retrieved)")
-            limit = self.resolved_config.max_queue_size
-            if limit and len(self._live) >= limit:
-                raise RuntimeError(f"queue full: {len(self._live)} requests in flight (max_queue_size={limit})")
-            self._known.add(rid)
-            self._live.add(rid)
-            if streaming:
-                self._streams[rid] = queue.Queue()
-            state.arrival = next(self._arrivals)
-        self._inbox.put(("add", state))
-        return rid
+        self._submit([state])
+        return state.request_id
 
     def add_requests(
         self,
@@ -156,10 +147,64 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         request_ids: Sequence[str] | None = None,
     ) -> list[str]:
+        """Submit many at once: all validated before any is queued (all or nothing).
+
+        With prefix sharing on, one request per distinct leading block goes first and the
+        others follow grouped by prefix: the leaders compute the shared blocks, and the
+        followers, admitted in later steps, find them cached. Returns ids in input order.
+        """
+        self._check_running()
         if request_ids is not None and len(request_ids) != len(inputs):
             raise ValueError(f"got {len(request_ids)} request ids for {len(inputs)} inputs")
         ids = request_ids or [None] * len(inputs)
-        return [self.add_request(x, rid, max_new_tokens, streaming) for x, rid in zip(inputs, ids)]
+        states = [self._make_state(x, rid, max_new_tokens, streaming, None) for x, rid in zip(inputs, ids)]
+        dupes = len(states) - len({s.request_id for s in states})
+        if dupes:
+            raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
+        self._submit(self._prefix_order(states))
+        return [s.request_id for s in states]
+
+    def _prefix_order(self, states: list[RequestState]) -> list[RequestState]:
+        if not self.resolved_config.prefix_sharing or len(states) < 2:
+            return states
+        bs = self.resolved_config.block_size
+        leaders: list[RequestState] = []  # first of each prefix, and prompts too short to share
+        seen: set[tuple[int, ...]] = set()
+        followers: list[tuple[tuple[int, ...], int, RequestState]] = []
+        for i, state in enumerate(states):
+            key = tuple(state.prompt_ids[:bs])
+            if len(state.prompt_ids) <= bs or key not in seen:
+                seen.add(key)
+                leaders.append(state)
+            else:
+                followers.append((key, i, state))
+        followers.sort(key=lambda f: (f[0], f[1]))
+        return leaders + [f[2] for f in followers]
+
+    def _check_running(self) -> None:
+        if not self._accepting or not self.is_running():
+            raise RuntimeError("the manager is not running: call start() before adding requests")
+
+    def _submit(self, states: list[RequestState]) -> None:
+        with self._cond:
+            for state in states:
+                if state.request_id in self._known:
+                    raise ValueError(
+                        f"request id {state.request_id!r} is already in use (live, or its result not yet retrieved)"
+                    )
+            limit = self.resolved_config.max_queue_size
+            if limit and len(self._live) + len(states) > limit:
+                raise RuntimeError(
+                    f"queue full: {len(self._live)} requests in flight, {len(states)} more would exceed "
+                    f"max_queue_size={limit}"
+                )
+            for state in states:
+                self._known.add(state.request_id)
+                self._live.add(state.request_id)
+                if state.streaming:
+                    self._streams[state.request_id] = queue.Queue()
+                state.arrival = next(self._arrivals)
+                self._inbox.put(("add", state))
 
     def cancel_request(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -310,6 +355,7 @@ class ContinuousBatchingManager:
                 return
 
     def _cancel(self, request_id: str) -> None:
+        self._host_kv.pop(request_id, None)
         state = self.scheduler.remove(request_id)
         if state is None:
             return  # already finished, or unknown: nothing to do
@@ -327,6 +373,7 @@ class ContinuousBatchingManager:
                 pending.append(payload)
         if self.scheduler is not None:
             pending += list(self.scheduler.waiting) + list(self.scheduler.running.values())
+        self._host_kv.clear()
         for state in pending:
             if self.scheduler is not None:
                 self.scheduler.remove(state.request_id)
@@ -336,6 +383,13 @@ class ContinuousBatchingManager:
     def _step(self) -> None:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        # Offloaded blocks may already be promised to others: copy out before anything else.
+        for off in plan.offloaded:
+            keys, values = self.cache.copy_out(off.blocks, off.num_tokens)
+            self._host_kv[off.state.request_id] = (keys, values, off.num_tokens)
+        for state in plan.restored:
+            keys, values, n = self._host_kv.pop(state.request_id)
+            self.cache.copy_in(self.cache.block_manager.table(state.request_id), n, keys, values)
         if not plan.chunks:
             return
         try:
@@ -346,12 +400,16 @@ class ContinuousBatchingManager:
         except Exception as exc:
             logger.exception("step failed; failing its %d requests", len(plan.chunks))
             for chunk in plan.chunks:
+                self._host_kv.pop(chunk.state.request_id, None)
                 self.scheduler.remove(chunk.state.request_id)
                 chunk.state.finish(RequestStatus.FAILED, "error", f"step failed: {exc!r}")
                 self._publish(chunk.state)
             return
+        block_manager = self.cache.block_manager
         for chunk in inputs.chunks:
-            chunk.state.num_computed_tokens += chunk.num_tokens
+            state = chunk.state
+            state.num_computed_tokens += chunk.num_tokens
+            block_manager.commit(state.request_id, state.all_token_ids, state.num_computed_tokens)
         for state, token in zip(inputs.sampled, tokens):
             state.append_token(token)
             if state.status.is_done:
@@ -362,11 +420,22 @@ class ContinuousBatchingManager:
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
+        """Counters for tests, logs and the server's metrics (read without locking: a
+        snapshot may mix values from two consecutive steps)."""
         sched, cache = self.scheduler, self.cache
+        bm = cache.block_manager if cache else None
+        queries = bm.prefix_queries if bm else 0
+        hits = bm.prefix_hits if bm else 0
         return {
             "steps": self.steps,
             "soft_resets": sched.soft_resets if sched else 0,
-            "free_blocks": cache.block_manager.num_free_blocks if cache else 0,
+            "offloads": sched.offloads if sched else 0,
+            "restores": sched.restores if sched else 0,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "cached_blocks": bm.num_cached_blocks if bm else 0,
+            "free_blocks": bm.num_free_blocks if bm else 0,
             "running": len(sched.running) if sched else 0,
             "waiting": len(sched.waiting) if sched else 0,
             "step_seconds": self.step_seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import psutil
 import torch
 
 from ..attention.paged import ATTENTION_NAME
@@ -24,6 +25,27 @@ FALLBACK_TABLE_TOKENS = 8192  # the reference engine's 32 x 256 fallback, as a f
 def model_context(model: torch.nn.Module) -> int:
     text = model.config.get_text_config()
     return int(getattr(text, "max_position_embeddings", None) or FALLBACK_CONTEXT)
+
+
+def sliding_window_layers(model: torch.nn.Module) -> int:
+    """Layers that attend to a window (Mistral-style everywhere, Gemma-style alternating)."""
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return sum(1 for t in layer_types if t == "sliding_attention")
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return text.num_hidden_layers
+    return 0
+
+
+def offload_blocks(cfg: ContinuousBatchingConfig, bytes_per_block: int) -> tuple[int, float]:
+    """Host blocks for the offload tier: the requested GiB, clamped to a share of free RAM."""
+    if cfg.cpu_offload_space <= 0:
+        return 0, 0.0
+    wanted = cfg.cpu_offload_space * 2**30
+    cap = cfg.cpu_offload_space_safety_threshold * psutil.virtual_memory().available
+    blocks = int(min(wanted, cap) // bytes_per_block)
+    return blocks, blocks * bytes_per_block / 2**30
 
 
 def hinted_request_tokens(cfg: ContinuousBatchingConfig) -> int | None:
@@ -71,6 +93,16 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         max_blocks = max(blocks_for(FALLBACK_TABLE_TOKENS, bs), blocks_for(max_context, bs))
 
     margin = cfg.safety_margin if cfg.safety_margin is not None else DEFAULT_SAFETY_MARGINS[cfg.scheduler_type]
+    notes = []
+    windowed = sliding_window_layers(model)
+    if windowed:
+        notes.append(
+            f"{windowed} sliding-window layers keep their full KV, so prefix sharing and the batched decode "
+            "path stay exact (no memory is saved on those layers)"
+        )
+    host_blocks, host_gib = offload_blocks(cfg, layout.bytes_per_block(bs))
+    if cfg.cpu_offload_space > 0 and host_gib < cfg.cpu_offload_space:
+        notes.append(f"cpu_offload_space clamped from {cfg.cpu_offload_space} to {host_gib:.2f} GiB of available RAM")
     resolved = ResolvedConfig(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -87,6 +119,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         decode_fast_path=True,
         max_queue_size=cfg.max_queue_size,
         kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
+        prefix_sharing=cfg.allow_block_sharing,
+        prefix_cache_eviction=cfg.prefix_cache_eviction,
+        cpu_offload_blocks=host_blocks,
+        cpu_offload_gib=round(host_gib, 3),
+        sliding_window_layers=windowed,
+        notes=tuple(notes),
     )
     return resolved, layout
 
@@ -101,5 +139,8 @@ def describe(resolved: ResolvedConfig) -> str:
         f"(addresses {resolved.max_blocks_per_request * resolved.block_size} tokens) "
         f"max_context={resolved.max_context} scheduler={resolved.scheduler_type} "
         f"safety_margin={resolved.safety_margin} attention={resolved.attention_backend} "
-        f"decode_fast_path={resolved.decode_fast_path} max_queue_size={resolved.max_queue_size or 'unlimited'}"
+        f"decode_fast_path={resolved.decode_fast_path} max_queue_size={resolved.max_queue_size or 'unlimited'} "
+        f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}) "
+        f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks)"
+        + "".join(f"; note: {n}" for n in resolved.notes)
     )

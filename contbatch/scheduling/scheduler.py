@@ -7,7 +7,6 @@ and cache blocks. It knows requests and the block manager, never tensors.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,9 +26,21 @@ class ScheduledChunk:
 
 
 @dataclass
+class Offload:
+    """A victim's KV leaving for host memory: the blocks to copy out before this step runs."""
+
+    state: RequestState
+    blocks: list[int]
+    num_tokens: int
+
+
+@dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[RequestState] = field(default_factory=list)  # soft reset this step
+    offloaded: list[Offload] = field(default_factory=list)  # copy out before the forward
+    restored: list[RequestState] = field(default_factory=list)  # copy back in before the forward
+    starved: list[RequestState] = field(default_factory=list)  # could not get blocks this step
     held_by_margin: int = 0  # waiting requests held back by the safety margin
 
     @property
@@ -46,6 +57,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float = 0.0,
+        offload_capacity_blocks: int = 0,
     ) -> None:
         if not 0.0 <= safety_margin <= 1.0:
             raise ValueError(f"Got safety_margin = {safety_margin} but expected a value in [0, 1]")
@@ -55,7 +67,12 @@ class Scheduler:
         self.safety_margin = safety_margin
         self.waiting: deque[RequestState] = deque()
         self.running: dict[str, RequestState] = {}
+        self.offload_capacity_blocks = offload_capacity_blocks
+        self.offloaded_blocks = 0  # host blocks in use by offloaded requests
+        self._offloaded: dict[str, int] = {}  # request id -> host blocks it holds
         self.soft_resets = 0
+        self.offloads = 0
+        self.restores = 0
 
     # -- bookkeeping -------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -64,8 +81,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def is_offloaded(self, request_id: str) -> bool:
+        return request_id in self._offloaded
+
     def remove(self, request_id: str) -> RequestState | None:
         """Take a request out wherever it is (cancel, failure) and free its blocks."""
+        self.offloaded_blocks -= self._offloaded.pop(request_id, 0)
         state = self.running.pop(request_id, None)
         if state is None:
             for i, waiting in enumerate(self.waiting):
@@ -81,14 +102,26 @@ class Scheduler:
         self.block_manager.free(state.request_id)
 
     def _preempt(self, state: RequestState, plan: StepPlan) -> None:
-        """Soft reset: free the blocks, keep the tokens, queue again ahead of new arrivals."""
+        """Make room: offload the victim's KV to host memory if it fits there, else soft
+        reset it (blocks freed, tokens kept, recomputed later). Either way it queues again
+        ahead of new arrivals."""
         del self.running[state.request_id]
+        blocks = list(self.block_manager.table(state.request_id))
+        n_host = len(blocks)
+        if state.num_computed_tokens and self.offloaded_blocks + n_host <= self.offload_capacity_blocks:
+            plan.offloaded.append(Offload(state, blocks, state.num_computed_tokens))
+            self._offloaded[state.request_id] = n_host
+            self.offloaded_blocks += n_host
+            state.status = RequestStatus.PENDING
+            self.offloads += 1
+        else:
+            state.soft_reset()
+            self.soft_resets += 1
+            plan.preempted.append(state)
         self.block_manager.free(state.request_id)
-        state.soft_reset()
-        self.soft_resets += 1
+        plan.starved.append(state)
         # Victims are taken newest first, so appendleft keeps the queue in arrival order.
         self.waiting.appendleft(state)
-        plan.preempted.append(state)
 
     # -- one step ------------------------------------------------------------------------
     def _running_order(self, by_arrival: list[RequestState]) -> list[RequestState]:
@@ -119,11 +152,22 @@ class Scheduler:
             if plan.chunks and bm.num_free_blocks < reserve:
                 plan.held_by_margin = len(self.waiting)
                 break
+            restoring = state.request_id in self._offloaded
+            if not restoring and state.num_computed_tokens == 0:
+                state.num_computed_tokens = bm.match_prefix(state.request_id, state.all_token_ids)
             room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens
             got = min(state.remaining_tokens, tokens_left, room)
             if got <= 0:
+                if not restoring:  # give back any prefix it matched; it stays at the head
+                    bm.free(state.request_id)
+                    state.num_computed_tokens = 0
+                plan.starved.append(state)
                 break  # FIFO: nobody overtakes the head of the queue
             bm.ensure(state.request_id, state.num_computed_tokens + got)
+            if restoring:
+                self.offloaded_blocks -= self._offloaded.pop(state.request_id)
+                self.restores += 1
+                plan.restored.append(state)
             self.waiting.popleft()
             state.status = RequestStatus.PREFILLING
             self.running[state.request_id] = state
@@ -160,10 +204,9 @@ class Scheduler:
             return room
         if len(self.running) > 1:
             self._preempt(state, plan)
+        else:
+            plan.starved.append(state)
         return 0
-
-    def reserve_blocks(self) -> int:
-        return math.ceil(self.safety_margin * self.block_manager.num_blocks)
 
 
 class FIFOScheduler(Scheduler):

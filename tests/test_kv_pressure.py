@@ -1,0 +1,175 @@
+"""KV pressure (offload, soft reset), prefix caching, admission reserve, resolved config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig, PagedAttentionCache, continuous_batching, generate_batch
+from contbatch.cache import BlockManager, KVLayout
+from contbatch.engine.resolve import blocks_from_hint
+from contbatch.requests import RequestState
+from contbatch.scheduling import FIFOScheduler
+
+from conftest import random_prompts, reference_generate
+
+GREEDY16 = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None)
+
+
+# -- the seeds' numbers ----------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, 1, 2, 3])
+def test_block_size_below_4_raises(bad):
+    with pytest.raises(ValueError, match="Block size must be at least 4"):
+        ContinuousBatchingConfig(block_size=bad)
+    with pytest.raises(ValueError, match="Block size must be at least 4"):
+        PagedAttentionCache(KVLayout(1, 1, 4, torch.float32), num_blocks=2, block_size=bad)
+
+
+def test_block_size_4_and_reserved_blocks():
+    ContinuousBatchingConfig(block_size=4)
+    cache = PagedAttentionCache(KVLayout(2, 2, 8, torch.float32), num_blocks=64, block_size=4)
+    assert cache.key_cache[0].shape == (2, (64 + 2) * 4, 8)
+    assert (cache.read_trash_slot, cache.sentinel_slot, cache.write_trash_slot) == (256, 257, 260)
+    assert cache.block_manager.num_free_blocks == 64  # the two reserved blocks are never handed out
+
+
+def test_hint_formula():
+    assert blocks_from_hint(30_000, 2_000, 256) == 126
+    assert blocks_from_hint(4_000, 500, 256) == 20
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1.01, 2.0])
+def test_safety_margin_out_of_range_raises(bad):
+    with pytest.raises(ValueError, match="safety_margin"):
+        ContinuousBatchingConfig(safety_margin=bad)
+
+
+def test_margin_one_admits_only_into_an_idle_pool():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = FIFOScheduler(bm, max_batch_tokens=64, max_requests_per_batch=8, safety_margin=1.0)
+    for i in range(3):
+        sched.add(RequestState(f"r{i}", [5] * 6, max_new_tokens=4, arrival=i))
+    plan = sched.schedule()
+    assert [c.state.request_id for c in plan.chunks] == ["r0"]  # liveness: one into the idle pool
+    assert plan.held_by_margin == 2
+
+
+def test_fallback_table_addresses_8192_tokens(llama_model):
+    with continuous_batching(llama_model, GREEDY16, ContinuousBatchingConfig(block_size=256)) as m:
+        r = m.resolved_config
+    assert r.max_blocks_per_request * r.block_size >= 8192
+
+
+def test_stats_keys(llama_model):
+    with continuous_batching(llama_model, GREEDY16) as m:
+        stats = m.stats()
+    for key in ("soft_resets", "offloads", "restores", "prefix_cache_queries", "prefix_cache_hits",
+                "free_blocks", "cached_blocks", "running", "waiting"):
+        assert key in stats
+
+
+# -- exactness under pressure ------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+def test_exact_under_pressure(llama_model, scheduler, offload):
+    """A cache of 14 four-token blocks for 20 requests of up to 46 tokens: most are evicted
+    (offloaded or soft reset) several times, yet every output is token-identical."""
+    prompts = random_prompts(20, 10, 30, seed=21)
+    config = ContinuousBatchingConfig(
+        block_size=4, num_blocks=14, max_batch_tokens=32, scheduler_type=scheduler,
+        safety_margin=0.0, cpu_offload_space=offload, allow_block_sharing=False,
+    )
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        ids = m.add_requests(prompts)
+        outs = [m.get_result(rid, timeout=120) for rid in ids]
+        stats = m.stats()
+        assert (m.resolved_config.cpu_offload_blocks > 0) == bool(offload)
+    evictions = stats["offloads"] + stats["soft_resets"]
+    assert evictions >= len(prompts), stats
+    if offload:
+        assert stats["offloads"] > 0 and stats["restores"] == stats["offloads"]
+    else:
+        assert stats["offloads"] == 0
+    unconstrained = generate_batch(llama_model, prompts, GREEDY16, ContinuousBatchingConfig(block_size=4), progress_bar=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        expected = reference_generate(llama_model, prompt, 16)
+        assert out.generated_tokens == expected
+        assert unconstrained[f"req_{i}"].generated_tokens == expected
+
+
+def test_offload_resumes_without_recompute(llama_model):
+    """With room on the host for every victim, nobody is ever soft reset."""
+    prompts = random_prompts(12, 10, 30, seed=22)
+    config = ContinuousBatchingConfig(block_size=4, num_blocks=14, max_batch_tokens=32, safety_margin=0.0,
+                                      cpu_offload_space=1.0, allow_block_sharing=False)
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        outs = [m.get_result(rid, timeout=120) for rid in m.add_requests(prompts)]
+        stats = m.stats()
+    assert stats["offloads"] > 0 and stats["soft_resets"] == 0
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 16)
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+def _shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
+    system = random_prompts(1, 37, 37, seed=seed)[0]
+    return [system + tail for tail in random_prompts(n, 1, 12, seed=seed + 1)]
+
+
+def test_prefix_cache_on_off_identical_with_hits(llama_model):
+    prompts = _shared_prefix_prompts(110, seed=31)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    results = {}
+    for sharing in (False, True):
+        config = ContinuousBatchingConfig(block_size=8, max_batch_tokens=128, allow_block_sharing=sharing)
+        with continuous_batching(llama_model, gen, config) as m:
+            ids = m.add_requests(prompts)
+            results[sharing] = [m.get_result(rid, timeout=120).generated_tokens for rid in ids]
+            stats = m.stats()
+        if sharing:
+            # 37 shared tokens = 4 full blocks of 8; most requests find all 4 cached.
+            assert stats["prefix_cache_hits"] >= 32 * 90, stats
+            assert stats["prefix_cache_hit_rate"] > 0.5
+            assert stats["cached_blocks"] > 0
+        else:
+            assert stats["prefix_cache_hits"] == 0
+    assert results[True] == results[False]
+    for prompt, out in list(zip(prompts, results[True]))[:10]:
+        assert out == reference_generate(llama_model, prompt, 6)
+
+
+def test_fully_cached_prompt_still_computes_last_token(llama_model):
+    prompt = random_prompts(1, 16, 16, seed=41)[0]  # exactly two 8-token blocks
+    config = ContinuousBatchingConfig(block_size=8)
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        first = m.get_result(m.add_request(prompt), timeout=60)
+        second = m.get_result(m.add_request(prompt), timeout=60)
+        stats = m.stats()
+    assert stats["prefix_cache_hits"] == 8  # the first block; the last token's block is recomputed
+    assert first.generated_tokens == second.generated_tokens == reference_generate(llama_model, prompt, 16)
+
+
+def test_soft_reset_reuses_its_own_cached_blocks(llama_model):
+    prompts = random_prompts(16, 20, 30, seed=42)
+    config = ContinuousBatchingConfig(block_size=4, num_blocks=24, max_batch_tokens=32, safety_margin=0.0)
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        outs = [m.get_result(rid, timeout=120) for rid in m.add_requests(prompts)]
+        stats = m.stats()
+    assert stats["soft_resets"] > 0 and stats["prefix_cache_hits"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 16)
+
+
+def test_resolved_config_reports_everything(llama_model, caplog):
+    caplog.set_level("INFO", logger="contbatch")
+    config = ContinuousBatchingConfig(scheduler_type="prefill_first", cpu_offload_space=0.5)
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        r = m.resolved_config
+    assert r.safety_margin == 0.0 and r.scheduler_type == "prefill_first"
+    assert r.prefix_sharing and r.cpu_offload_blocks > 0 and 0 < r.cpu_offload_gib <= 0.5
+    line = next(rec.message for rec in caplog.records if "contbatch engine:" in rec.message)
+    for fragment in ("blocks=", "max_batch_tokens=", "max_requests_per_batch=",
+                     "max_blocks_per_request=", "prefix_sharing=True", "decode_fast_path=", "scheduler=prefill_first",
+                     "safety_margin=0.0", "cpu_offload="):
+        assert fragment in line
