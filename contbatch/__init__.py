@@ -6,6 +6,7 @@ from .config import ContinuousBatchingConfig, ResolvedConfig
 from .engine import ContinuousBatchingManager
 from .models import load_model
 from .requests import GenerationOutput, RequestState, RequestStatus
+from .sampling import SamplingParams
 from .scheduling import FIFOScheduler, PrefillFirstScheduler, Scheduler
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "RequestState",
     "RequestStatus",
     "ResolvedConfig",
+    "SamplingParams",
     "Scheduler",
     "continuous_batching",
     "generate_batch",

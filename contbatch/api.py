@@ -13,6 +13,7 @@ from .config import ContinuousBatchingConfig
 from .engine.manager import ContinuousBatchingManager
 from .engine.stopping import stop_defaults
 from .requests import GenerationOutput
+from .sampling.params import SamplingParams
 
 
 @contextmanager
@@ -20,9 +21,10 @@ def continuous_batching(
     model: torch.nn.Module,
     generation_config=None,
     config: ContinuousBatchingConfig | None = None,
+    tokenizer=None,
 ) -> Iterator[ContinuousBatchingManager]:
     """A started manager for the `with` block; drained on normal exit, hard-stopped on error."""
-    manager = ContinuousBatchingManager(model, generation_config, config)
+    manager = ContinuousBatchingManager(model, generation_config, config, tokenizer)
     manager.start()
     try:
         yield manager
@@ -53,17 +55,25 @@ def generate_batch(
     generation_config=None,
     config: ContinuousBatchingConfig | None = None,
     progress_bar: bool = True,
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    tokenizer=None,
 ) -> dict[str, GenerationOutput]:
     """Generate for every input and wait; results keyed `req_0`, `req_1`, ... in input order.
 
-    Requests that fail are returned with status FAILED and their error, never dropped.
+    `sampling_params` is one `SamplingParams` for all inputs or a list, one per input; a
+    `tokenizer` adds decoded text (and enables stop strings). Requests that fail are returned
+    with status FAILED and their error, never dropped.
     """
-    max_new = stop_defaults(model, generation_config).max_new_tokens
+    per_input = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
+    max_new = max(
+        (p.max_new_tokens for p in per_input if p is not None and p.max_new_tokens),
+        default=stop_defaults(model, generation_config).max_new_tokens,
+    )
     config = _with_hints(config, inputs, max_new)
     ids = [f"req_{i}" for i in range(len(inputs))]
     results: dict[str, GenerationOutput] = {}
-    with continuous_batching(model, generation_config, config) as manager:
-        manager.add_requests(inputs, request_ids=ids)
+    with continuous_batching(model, generation_config, config, tokenizer) as manager:
+        manager.add_requests(inputs, request_ids=ids, sampling_params=sampling_params)
         with tqdm(total=len(ids), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
             while len(results) < len(ids):
                 out = manager.get_result(timeout=1.0)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine.detokenizer import IncrementalDetokenizer
+    from .sampling.params import SamplingParams
 
 
 class RequestStatus(str, Enum):
@@ -37,6 +42,13 @@ class GenerationOutput:
     queued_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    text: str | None = None  # decoded output (needs a tokenizer), stop string removed
+    new_tokens: list[int] = field(default_factory=list)  # streaming: tokens since the last chunk
+    delta_text: str = ""  # streaming: text since the last chunk
+    logprobs: list[float] | None = None  # one per generated token
+    top_logprobs: list[dict[int, float]] | None = None
+    index: int = 0  # which of the n samples of its prompt
+    samples: list["GenerationOutput"] | None = None  # n > 1: every sample, in index order
 
     @property
     def is_finished(self) -> bool:
@@ -67,6 +79,16 @@ class RequestState:
     finish_reason: str | None = None
     error: str | None = None
     soft_resets: int = 0
+    params: "SamplingParams | None" = None
+    min_new_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    delta_text: str = ""
+    published_tokens: int = 0
+    index: int = 0
+    leader: "RequestState | None" = None  # n > 1: wait until this sibling's prompt is computed
+    parent_id: str | None = None  # n > 1: the id the caller knows
     queued_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -92,7 +114,7 @@ class RequestState:
         self.generated_tokens.append(token)
         self.all_token_ids.append(token)
         self.status = RequestStatus.DECODING
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and len(self.generated_tokens) >= self.min_new_tokens:
             self.finish(RequestStatus.FINISHED, "stop")
         elif len(self.generated_tokens) >= self.max_new_tokens:
             self.finish(RequestStatus.FINISHED, "length")
@@ -112,6 +134,9 @@ class RequestState:
         self.finished_at = time.time()
 
     def to_output(self) -> GenerationOutput:
+        new = self.generated_tokens[self.published_tokens :]
+        self.published_tokens = len(self.generated_tokens)
+        delta, self.delta_text = self.delta_text, ""
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
@@ -122,4 +147,10 @@ class RequestState:
             queued_at=self.queued_at,
             first_token_at=self.first_token_at,
             finished_at=self.finished_at,
+            text=self.detokenizer.emitted if self.detokenizer is not None else None,
+            new_tokens=new,
+            delta_text=delta,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
+            index=self.index,
         )

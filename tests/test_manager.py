@@ -212,8 +212,8 @@ def test_resolved_config_is_logged_and_readable(llama_model, caplog):
 
 
 def test_generation_config_defaults(llama_model):
-    with pytest.raises(ValueError, match="do_sample=True is not supported"):
-        ContinuousBatchingManager(llama_model, GenerationConfig(do_sample=True))
+    with pytest.raises(ValueError, match="beam search"):
+        ContinuousBatchingManager(llama_model, GenerationConfig(num_beams=4))
     # Explicit eos None: no EOS stop; the model's default config stops on its eos (2).
     results = generate_batch(llama_model, [[5, 6, 7]], GenerationConfig(max_new_tokens=5, eos_token_id=None), progress_bar=False)
     assert len(results["req_0"].generated_tokens) == 5

@@ -1,8 +1,8 @@
 """The long-lived engine: a background thread that steps the model while requests come and go.
 
 Other threads talk to it only through thread-safe structures: an inbox queue for commands
-(add, cancel, wake), a condition-guarded table of finished results, and one queue per
-streaming request.
+(add, cancel, wake) and the `ResultStore` for what comes back. Request state is touched by
+the engine thread alone.
 """
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ..attention.paged import attach, detach
-from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus
+from ..sampling.params import SamplingParams
 from ..scheduling.scheduler import SCHEDULER_MAPPING, Scheduler
 from .batch import build_batch
 from .resolve import describe, resolve_config
+from .results import ResultStore
 from .runner import ModelRunner
-from .stopping import StopDefaults, stop_defaults
+from .stopping import stop_defaults
+from .submission import RequestBuilder
 
 logger = logging.getLogger("contbatch")
 
@@ -40,24 +40,23 @@ class ContinuousBatchingManager:
         model: torch.nn.Module,
         generation_config=None,
         config: ContinuousBatchingConfig | None = None,
+        tokenizer=None,
     ) -> None:
         self.model = model
         self.config = config or ContinuousBatchingConfig()
-        self.defaults: StopDefaults = stop_defaults(model, generation_config)
+        self.defaults = stop_defaults(model, generation_config)
         self.resolved_config: ResolvedConfig
         self.resolved_config, self._layout = resolve_config(self.config, model)
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self.tokenizer = tokenizer
+        vocab = model.get_input_embeddings().num_embeddings
+        self._builder = RequestBuilder(self.resolved_config, self.defaults, vocab, tokenizer)
         self.cache: PagedAttentionCache | None = None
         self.scheduler: Scheduler | None = None
         self._runner = ModelRunner(model)
         self._inbox: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
-        self._finished: OrderedDict[str, GenerationOutput] = OrderedDict()
-        self._live: set[str] = set()  # submitted, not finished
-        self._known: set[str] = set()  # submitted, result not yet retrieved
-        self._streams: dict[str, queue.Queue] = {}
+        self._results = ResultStore()
+        self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
         self._host_kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # offloaded requests
-        self._handlers: list[Callable[[GenerationOutput], None]] = []
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -85,7 +84,7 @@ class ContinuousBatchingManager:
             r.cpu_offload_blocks,
         )
         self._host_kv.clear()
-        self._attach_attention()
+        self._saved_attn = attach(self.model)
         logger.info(describe(r))
         self._stop_mode = None
         self._accepting = True
@@ -107,7 +106,9 @@ class ContinuousBatchingManager:
         self._thread = None
         # Anything that slipped into the inbox as the thread exited still gets an answer.
         self._fail_all("manager stopped before the request was scheduled")
-        self._detach_attention()
+        if self._saved_attn is not None:
+            detach(self.model, self._saved_attn)
+            self._saved_attn = None
 
     def destroy(self) -> None:
         self.stop(hard_stop=True)
@@ -118,14 +119,6 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _attach_attention(self) -> None:
-        self._saved_attn = attach(self.model)
-
-    def _detach_attention(self) -> None:
-        if self._saved_attn is not None:
-            detach(self.model, self._saved_attn)
-            self._saved_attn = None
-
     # -- submission (any thread) ---------------------------------------------------------
     def add_request(
         self,
@@ -134,11 +127,12 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
     ) -> str:
         self._check_running()
-        state = self._make_state(input_ids, request_id, max_new_tokens, streaming, eos_token_id)
-        self._submit([state])
-        return state.request_id
+        states = self._builder.build(input_ids, request_id, max_new_tokens, streaming, eos_token_id, sampling_params)
+        self._submit([states])
+        return states[0].parent_id
 
     def add_requests(
         self,
@@ -146,6 +140,7 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         request_ids: Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[str]:
         """Submit many at once: all validated before any is queued (all or nothing).
 
@@ -156,119 +151,67 @@ class ContinuousBatchingManager:
         self._check_running()
         if request_ids is not None and len(request_ids) != len(inputs):
             raise ValueError(f"got {len(request_ids)} request ids for {len(inputs)} inputs")
+        if isinstance(sampling_params, Sequence) and len(sampling_params) != len(inputs):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(inputs)} inputs")
         ids = request_ids or [None] * len(inputs)
-        states = [self._make_state(x, rid, max_new_tokens, streaming, None) for x, rid in zip(inputs, ids)]
-        dupes = len(states) - len({s.request_id for s in states})
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(inputs)
+        groups = [
+            self._builder.build(x, rid, max_new_tokens, streaming, None, p) for x, rid, p in zip(inputs, ids, params)
+        ]
+        dupes = len(groups) - len({g[0].parent_id for g in groups})
         if dupes:
             raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
-        self._submit(self._prefix_order(states))
-        return [s.request_id for s in states]
+        self._submit(self._prefix_order(groups))
+        return [g[0].parent_id for g in groups]
 
-    def _prefix_order(self, states: list[RequestState]) -> list[RequestState]:
-        if not self.resolved_config.prefix_sharing or len(states) < 2:
-            return states
-        bs = self.resolved_config.block_size
-        leaders: list[RequestState] = []  # first of each prefix, and prompts too short to share
-        seen: set[tuple[int, ...]] = set()
-        followers: list[tuple[tuple[int, ...], int, RequestState]] = []
-        for i, state in enumerate(states):
-            key = tuple(state.prompt_ids[:bs])
-            if len(state.prompt_ids) <= bs or key not in seen:
-                seen.add(key)
-                leaders.append(state)
-            else:
-                followers.append((key, i, state))
-        followers.sort(key=lambda f: (f[0], f[1]))
-        return leaders + [f[2] for f in followers]
+    def cancel_request(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
 
     def _check_running(self) -> None:
         if not self._accepting or not self.is_running():
             raise RuntimeError("the manager is not running: call start() before adding requests")
 
-    def _submit(self, states: list[RequestState]) -> None:
-        with self._cond:
-            for state in states:
-                if state.request_id in self._known:
-                    raise ValueError(
-                        f"request id {state.request_id!r} is already in use (live, or its result not yet retrieved)"
-                    )
-            limit = self.resolved_config.max_queue_size
-            if limit and len(self._live) + len(states) > limit:
-                raise RuntimeError(
-                    f"queue full: {len(self._live)} requests in flight, {len(states)} more would exceed "
-                    f"max_queue_size={limit}"
-                )
-            for state in states:
-                self._known.add(state.request_id)
-                self._live.add(state.request_id)
-                if state.streaming:
-                    self._streams[state.request_id] = queue.Queue()
-                state.arrival = next(self._arrivals)
-                self._inbox.put(("add", state))
+    def _prefix_order(self, groups: list[list[RequestState]]) -> list[list[RequestState]]:
+        if not self.resolved_config.prefix_sharing or len(groups) < 2:
+            return groups
+        bs = self.resolved_config.block_size
+        leaders: list[list[RequestState]] = []  # first of each prefix, and prompts too short to share
+        seen: set[tuple[int, ...]] = set()
+        followers: list[tuple[tuple[int, ...], int, list[RequestState]]] = []
+        for i, group in enumerate(groups):
+            prompt = group[0].prompt_ids
+            key = tuple(prompt[:bs])
+            if len(prompt) <= bs or key not in seen:
+                seen.add(key)
+                leaders.append(group)
+            else:
+                followers.append((key, i, group))
+        followers.sort(key=lambda f: (f[0], f[1]))
+        return leaders + [f[2] for f in followers]
 
-    def cancel_request(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    def _make_state(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id) -> RequestState:
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.reshape(-1).tolist()
-        prompt = [int(t) for t in input_ids]
-        if not prompt:
-            raise ValueError("empty prompt: a request needs at least one input token")
-        bad = [t for t in prompt if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {self._vocab_size}): {bad[:5]}")
-        max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-        r = self.resolved_config
-        total = len(prompt) + max_new
-        if total > r.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) = {total} exceeds the model's "
-                f"context of {r.max_context} tokens"
-            )
-        if blocks_for(total, r.block_size) > r.max_blocks_per_request:
-            raise ValueError(
-                f"request needs {blocks_for(total, r.block_size)} blocks of {r.block_size} tokens but "
-                f"max_blocks_per_request={r.max_blocks_per_request} addresses "
-                f"{r.max_blocks_per_request * r.block_size} tokens; raise max_blocks_per_request or pass workload hints"
-            )
-        if blocks_for(total, r.block_size) > r.num_blocks:
-            raise ValueError(
-                f"request needs {total} tokens of KV but the whole cache holds {r.num_blocks * r.block_size}; "
-                "raise num_blocks"
-            )
-        if eos_token_id is None:
-            eos = self.defaults.eos_token_ids
-        else:
-            eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        return RequestState(
-            request_id=request_id if request_id is not None else f"req_{uuid.uuid4().hex[:12]}",
-            prompt_ids=prompt,
-            max_new_tokens=max_new,
-            eos_token_ids=eos,
-            max_context=r.max_context,
-            streaming=streaming,
-        )
+    def _submit(self, groups: list[list[RequestState]]) -> None:
+        limit = self.resolved_config.max_queue_size
+        with self._results.lock():
+            registered = []
+            try:
+                for states in groups:
+                    self._results.register(states[0].parent_id, states, limit)
+                    registered.append(states)
+            except (ValueError, RuntimeError):
+                for states in registered:  # all or nothing
+                    self._results.unregister(states[0].parent_id)
+                raise
+            for states in groups:
+                if len(states) > 1:
+                    self._samples[states[0].parent_id] = [s.request_id for s in states]
+                for state in states:
+                    state.arrival = next(self._arrivals)
+                    self._inbox.put(("add", state))
 
     # -- results (any thread) ------------------------------------------------------------
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """With an id: wait for that request. Without: the next finished one. None on timeout."""
-        with self._cond:
-            if request_id is None:
-                self._cond.wait_for(lambda: self._finished or not self._live, timeout)
-                if not self._finished:
-                    return None
-                _, out = self._finished.popitem(last=False)
-            else:
-                if request_id not in self._known:
-                    raise KeyError(f"unknown request id {request_id!r} (never submitted, or already retrieved)")
-                if not self._cond.wait_for(lambda: request_id in self._finished, timeout):
-                    return None
-                out = self._finished.pop(request_id)
-            self._known.discard(out.request_id)
-            return out
+        return self._results.get(request_id, timeout)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         """Finished results as they come, until nothing submitted is left unretrieved."""
@@ -276,51 +219,39 @@ class ContinuousBatchingManager:
             out = self.get_result(timeout=_IDLE_POLL_S)
             if out is not None:
                 yield out
-            elif not self._live and not self._finished:
+            elif self._results.idle():
                 return
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Incremental outputs of one request; the last one is final and is also retrieved."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            out = self.get_result(request_id, timeout)
-            if out is not None:
-                yield out
+        chunks = self._results.stream(request_id, timeout)
+        if chunks is not None:
+            yield from chunks
             return
-        while True:
-            try:
-                out = stream.get(timeout=timeout)
-            except queue.Empty:
-                return
-            if out.is_finished:
-                self._streams.pop(request_id, None)
-                self.get_result(request_id, timeout=0)
-                yield out
-                return
+        out = self.get_result(request_id, timeout)
+        if out is not None:
             yield out
 
     def register_result_handler(self, callback: Callable[[GenerationOutput], None]) -> None:
         """Called from the engine thread with every streamed chunk and every final result."""
-        self._handlers.append(callback)
+        self._results.handlers.append(callback)
 
     def _publish(self, state: RequestState) -> None:
-        out = state.to_output()
-        final = out.is_finished
-        stream = self._streams.get(state.request_id)
-        if stream is not None and (final or state.streaming):
-            stream.put(out)
-        if final:
-            with self._cond:
-                self._live.discard(state.request_id)
-                self._finished[state.request_id] = out
-                self._cond.notify_all()
-        for handler in self._handlers:
-            try:
-                handler(out)
-            except Exception:  # a user's callback must never stop the engine
-                logger.exception("result handler failed")
+        if state.status.is_done and state.detokenizer is not None:
+            state.delta_text += state.detokenizer.update(state.generated_tokens, final=True)
+        self._results.publish(state, state.parent_id or state.request_id)
+        if state.status.is_done and state.parent_id in self._samples:
+            if all(rid not in self._live_states for rid in self._samples[state.parent_id]):
+                del self._samples[state.parent_id]
 
     # -- engine thread -------------------------------------------------------------------
+    @property
+    def _live_states(self) -> dict[str, RequestState]:
+        sched = self.scheduler
+        live = dict(sched.running)
+        live.update((s.request_id, s) for s in sched.waiting)
+        return live
+
     def _run(self) -> None:
         try:
             while True:
@@ -348,7 +279,8 @@ class ContinuousBatchingManager:
             if kind == "add":
                 self.scheduler.add(payload)
             elif kind == "cancel":
-                self._cancel(payload)
+                for rid in self._samples.get(payload, [payload]):
+                    self._cancel(rid)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -395,7 +327,8 @@ class ContinuousBatchingManager:
         try:
             inputs = build_batch(plan, self.cache)
             t1 = time.perf_counter()
-            tokens = self._runner.run(inputs).tolist()
+            result = self._runner.run(inputs)
+            tokens = result.tokens.tolist()
             self.forward_seconds += time.perf_counter() - t1
         except Exception as exc:
             logger.exception("step failed; failing its %d requests", len(plan.chunks))
@@ -410,13 +343,33 @@ class ContinuousBatchingManager:
             state = chunk.state
             state.num_computed_tokens += chunk.num_tokens
             block_manager.commit(state.request_id, state.all_token_ids, state.num_computed_tokens)
+        self._record_logprobs(inputs.sampled, result)
         for state, token in zip(inputs.sampled, tokens):
             state.append_token(token)
+            detok = state.detokenizer
+            if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
+                state.delta_text += detok.update(state.generated_tokens)
+                if detok.stopped:
+                    state.finish(RequestStatus.FINISHED, "stop")
             if state.status.is_done:
                 self.scheduler.finish(state)
             self._publish(state)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _record_logprobs(states: list[RequestState], result) -> None:
+        if result.logprobs is None:
+            return
+        chosen = result.logprobs.tolist()
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        for i, state in enumerate(states):
+            if state.logprobs is not None:
+                state.logprobs.append(chosen[i])
+            if state.top_logprobs is not None:
+                k = state.params.top_logprobs
+                state.top_logprobs.append(dict(zip(top_ids[i][:k], top_lps[i][:k])))
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

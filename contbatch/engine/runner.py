@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import ENGINE_MASK
-from ..sampling.greedy import greedy
+from ..sampling.sampler import SampleRequest, SampleResult, Sampler
 from .batch import ModelInputs
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None) -> None:
         self.model = model
+        self.sampler = sampler or Sampler()
 
     @torch.inference_mode()
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Returns the next token of every request that samples this step."""
+    def run(self, inputs: ModelInputs) -> SampleResult:
+        """The next token (and logprobs where asked) of every request that samples this step."""
         out = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
@@ -24,4 +25,7 @@ class ModelRunner:
             use_cache=False,
             cb_meta=inputs.meta,
         )
-        return greedy(out.logits[0])
+        requests = [
+            SampleRequest(s.params, s.prompt_ids, s.generated_tokens, s.eos_token_ids) for s in inputs.sampled
+        ]
+        return self.sampler(out.logits[0], requests)

@@ -14,6 +14,7 @@ FALLBACK_MAX_NEW_TOKENS = 20
 class StopDefaults:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
+    generation_config: object = None  # the config in force: sampling defaults come from it
 
 
 def _as_set(eos) -> frozenset[int]:
@@ -30,13 +31,8 @@ def stop_defaults(model: torch.nn.Module, generation_config=None) -> StopDefault
     explicit = generation_config is not None
     gc = generation_config if explicit else getattr(model, "generation_config", None)
     if gc is None:
-        return StopDefaults(FALLBACK_MAX_NEW_TOKENS, frozenset())
-    if getattr(gc, "do_sample", False):
-        raise ValueError(
-            "do_sample=True is not supported yet: contbatch decodes greedily. Pass "
-            "GenerationConfig(do_sample=False, ...) rather than have sampling silently ignored."
-        )
+        return StopDefaults(FALLBACK_MAX_NEW_TOKENS, frozenset(), None)
     if getattr(gc, "num_beams", 1) not in (None, 1):
         raise ValueError(f"beam search (num_beams={gc.num_beams}) is not supported by continuous batching")
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else FALLBACK_MAX_NEW_TOKENS
-    return StopDefaults(int(max_new), _as_set(gc.eos_token_id))
+    return StopDefaults(int(max_new), _as_set(gc.eos_token_id), gc)

@@ -1,3 +1,4 @@
-from .greedy import greedy
+from .params import MAX_TOP_LOGPROBS, SamplingParams
+from .sampler import SampleRequest, SampleResult, Sampler
 
-__all__ = ["greedy"]
+__all__ = ["MAX_TOP_LOGPROBS", "SampleRequest", "SampleResult", "Sampler", "SamplingParams"]

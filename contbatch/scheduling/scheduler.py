@@ -147,10 +147,14 @@ class Scheduler:
 
         bm = self.block_manager
         reserve = self.safety_margin * bm.num_blocks
-        while self.waiting and tokens_left > 0 and len(plan.chunks) < self.max_requests_per_batch:
-            state = self.waiting[0]
+        admitted: list[RequestState] = []
+        for state in self.waiting:
+            if tokens_left <= 0 or len(plan.chunks) >= self.max_requests_per_batch:
+                break
+            if _waits_for_sibling(state):
+                continue  # only siblings of an n > 1 request step aside, to share its prompt
             if plan.chunks and bm.num_free_blocks < reserve:
-                plan.held_by_margin = len(self.waiting)
+                plan.held_by_margin = len(self.waiting) - len(admitted)
                 break
             restoring = state.request_id in self._offloaded
             if not restoring and state.num_computed_tokens == 0:
@@ -168,12 +172,15 @@ class Scheduler:
                 self.offloaded_blocks -= self._offloaded.pop(state.request_id)
                 self.restores += 1
                 plan.restored.append(state)
-            self.waiting.popleft()
+            admitted.append(state)
             state.status = RequestStatus.PREFILLING
             self.running[state.request_id] = state
             plan.chunks.append(ScheduledChunk(state, got))
             scheduled.add(state.request_id)
             tokens_left -= got
+        if admitted:
+            taken = {id(s) for s in admitted}
+            self.waiting = deque(s for s in self.waiting if id(s) not in taken)
         return plan
 
     def _grow_running(self, state: RequestState, want: int, scheduled: set[str], plan: StepPlan) -> int:
@@ -207,6 +214,17 @@ class Scheduler:
         else:
             plan.starved.append(state)
         return 0
+
+
+def _waits_for_sibling(state: RequestState) -> bool:
+    """A sample of an n > 1 request waits until its first sibling has computed the prompt,
+    so that it finds the prompt's blocks in the prefix cache instead of recomputing them."""
+    leader = state.leader
+    return (
+        leader is not None
+        and not leader.status.is_done
+        and leader.num_computed_tokens < len(leader.prompt_ids)
+    )
 
 
 class FIFOScheduler(Scheduler):

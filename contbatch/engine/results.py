@@ -1,0 +1,140 @@
+"""Where finished results and streamed chunks wait for their readers.
+
+Written by the engine thread, read by any thread: a condition guards the table of finished
+results, and each streaming request has its own queue. Samples of an n > 1 request are
+gathered here and published once, under their parent's id, when the last one ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from ..requests import GenerationOutput, RequestState, RequestStatus
+
+logger = logging.getLogger("contbatch")
+
+
+class ResultStore:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._finished: OrderedDict[str, GenerationOutput] = OrderedDict()
+        self.live: set[str] = set()  # submitted, not finished (parent ids)
+        self._known: set[str] = set()  # submitted, result not yet retrieved
+        self._streams: dict[str, queue.Queue] = {}
+        self._groups: dict[str, list[GenerationOutput | None]] = {}  # parent id -> samples
+        self.handlers: list[Callable[[GenerationOutput], None]] = []
+
+    # -- engine thread -------------------------------------------------------------------
+    def register(self, parent_id: str, states: list[RequestState], max_live: int) -> None:
+        """Called under `lock()` by the submitting thread, all checks included."""
+        if parent_id in self._known:
+            raise ValueError(f"request id {parent_id!r} is already in use (live, or its result not yet retrieved)")
+        if max_live and len(self.live) >= max_live:
+            raise RuntimeError(f"queue full: {len(self.live)} requests in flight (max_queue_size={max_live})")
+        self._known.add(parent_id)
+        self.live.add(parent_id)
+        if len(states) > 1:
+            self._groups[parent_id] = [None] * len(states)
+        if states[0].streaming:
+            self._streams[parent_id] = queue.Queue()
+
+    def unregister(self, parent_id: str) -> None:
+        self._known.discard(parent_id)
+        self.live.discard(parent_id)
+        self._groups.pop(parent_id, None)
+        self._streams.pop(parent_id, None)
+
+    def lock(self) -> threading.Condition:
+        return self._cond
+
+    def publish(self, state: RequestState, parent_id: str) -> None:
+        out = state.to_output()
+        if parent_id != state.request_id:
+            out = dataclasses.replace(out, request_id=parent_id)
+        stream = self._streams.get(parent_id)
+        if stream is not None and state.streaming and not out.is_finished:
+            stream.put(out)
+        if out.is_finished:
+            self._finish(parent_id, out)
+        for handler in self.handlers:
+            try:
+                handler(out)
+            except Exception:  # a user's callback must never stop the engine
+                logger.exception("result handler failed")
+
+    def _finish(self, parent_id: str, out: GenerationOutput) -> None:
+        group = self._groups.get(parent_id)
+        if group is not None:
+            group[out.index] = out
+            if any(o is None for o in group):
+                stream = self._streams.get(parent_id)
+                if stream is not None:  # a sample's own last chunk, not the request's end
+                    stream.put(dataclasses.replace(out, status=RequestStatus.DECODING))
+                return
+            del self._groups[parent_id]
+            out = _merge(group)
+        stream = self._streams.get(parent_id)
+        if stream is not None:
+            stream.put(out)
+        with self._cond:
+            self.live.discard(parent_id)
+            self._finished[parent_id] = out
+            self._cond.notify_all()
+
+    # -- any thread ----------------------------------------------------------------------
+    def get(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
+        with self._cond:
+            if request_id is None:
+                self._cond.wait_for(lambda: self._finished or not self.live, timeout)
+                if not self._finished:
+                    return None
+                _, out = self._finished.popitem(last=False)
+            else:
+                if request_id not in self._known:
+                    raise KeyError(f"unknown request id {request_id!r} (never submitted, or already retrieved)")
+                if not self._cond.wait_for(lambda: request_id in self._finished, timeout):
+                    return None
+                out = self._finished.pop(request_id)
+            self._known.discard(out.request_id)
+            return out
+
+    def idle(self) -> bool:
+        return not self.live and not self._finished
+
+    def stream(self, request_id: str, timeout: float | None) -> Iterator[GenerationOutput] | None:
+        q = self._streams.get(request_id)
+        if q is None:
+            return None
+
+        def chunks() -> Iterator[GenerationOutput]:
+            while True:
+                try:
+                    out = q.get(timeout=timeout)
+                except queue.Empty:
+                    return
+                if out.is_finished:
+                    self._streams.pop(request_id, None)
+                    self.get(request_id, timeout=0)
+                    yield out
+                    return
+                yield out
+
+        return chunks()
+
+
+def _merge(samples: list[GenerationOutput]) -> GenerationOutput:
+    """An n > 1 result: sample 0's fields at the top level, every sample in `samples`."""
+    first = samples[0]
+    failed = next((s for s in samples if s.status != RequestStatus.FINISHED), None)
+    return dataclasses.replace(
+        first,
+        status=failed.status if failed else first.status,
+        error=failed.error if failed else first.error,
+        finished_at=max(s.finished_at or 0 for s in samples),
+        samples=samples,
+    )

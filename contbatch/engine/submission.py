@@ -1,0 +1,130 @@
+"""Turning a caller's request into engine state, with every check done at submission.
+
+Runs in the caller's thread and touches nothing shared: a bad request raises here, before it
+can reach the engine thread or disturb another request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from ..cache.block_manager import blocks_for
+from ..config import ResolvedConfig
+from ..requests import RequestState
+from ..sampling.params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .stopping import StopDefaults
+
+
+class RequestBuilder:
+    def __init__(self, resolved: ResolvedConfig, defaults: StopDefaults, vocab_size: int, tokenizer=None) -> None:
+        self.resolved = resolved
+        self.defaults = defaults
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+
+    def build(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        streaming: bool,
+        eos_token_id: int | Sequence[int] | None,
+        sampling_params: SamplingParams | None,
+    ) -> list[RequestState]:
+        """One state per sample: n > 1 gives n siblings that share the prompt's blocks."""
+        prompt = self._prompt(input_ids)
+        params = self._params(sampling_params, max_new_tokens)
+        self._check_fits(len(prompt), params.max_new_tokens)
+        eos = self._stop_ids(params, eos_token_id)
+        rid = request_id if request_id is not None else f"req_{uuid.uuid4().hex[:12]}"
+        states: list[RequestState] = []
+        for i in range(params.n):
+            sample = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            states.append(
+                RequestState(
+                    request_id=rid if params.n == 1 else f"{rid}#{i}",
+                    prompt_ids=prompt,
+                    max_new_tokens=params.max_new_tokens,
+                    eos_token_ids=eos,
+                    max_context=self.resolved.max_context,
+                    streaming=streaming,
+                    params=sample,
+                    min_new_tokens=params.min_new_tokens,
+                    logprobs=[] if params.logprobs else None,
+                    top_logprobs=[] if params.top_logprobs else None,
+                    detokenizer=self._detokenizer(params),
+                    index=i,
+                    leader=states[0] if i else None,
+                    parent_id=rid,
+                )
+            )
+        return states
+
+    def _prompt(self, input_ids) -> list[int]:
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        if isinstance(input_ids, str):
+            raise ValueError("input_ids must be token ids, not text: tokenize the prompt first")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one input token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return prompt
+
+    def _params(self, params: SamplingParams | None, max_new_tokens: int | None) -> SamplingParams:
+        params = params or SamplingParams()
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            params = dataclasses.replace(params, max_new_tokens=int(max_new_tokens))
+        params = params.resolve(self.defaults.generation_config, self.defaults.max_new_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the manager or generate_batch")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return params
+
+    def _check_fits(self, prompt_len: int, max_new: int) -> None:
+        r = self.resolved
+        total = prompt_len + max_new
+        if total > r.max_context:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) = {total} exceeds the model's "
+                f"context of {r.max_context} tokens"
+            )
+        needed = blocks_for(total, r.block_size)
+        if needed > r.max_blocks_per_request:
+            raise ValueError(
+                f"request needs {needed} blocks of {r.block_size} tokens but "
+                f"max_blocks_per_request={r.max_blocks_per_request} addresses "
+                f"{r.max_blocks_per_request * r.block_size} tokens; raise max_blocks_per_request or pass workload hints"
+            )
+        if needed > r.num_blocks:
+            raise ValueError(
+                f"request needs {total} tokens of KV but the whole cache holds {r.num_blocks * r.block_size}; "
+                "raise num_blocks"
+            )
+
+    def _stop_ids(self, params: SamplingParams, eos_token_id) -> frozenset[int]:
+        if params.ignore_eos:
+            eos: frozenset[int] = frozenset()
+        elif eos_token_id is None:
+            eos = self.defaults.eos_token_ids
+        else:
+            eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        return eos | frozenset(params.stop_token_ids or ())
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, params.skip_special_tokens, params.stop or (), params.include_stop_str_in_output
+        )

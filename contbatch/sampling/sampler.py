@@ -1,0 +1,189 @@
+"""Token choice for a whole step at once: every request its own parameters, one batch.
+
+Each processor runs only over the rows that use it, as tensor operations over those rows (no
+Python loop per token; a loop per request only to collect its parameters and token history,
+and to draw seeded noise). Processors follow `transformers`' definitions and order, so that
+each matches its `LogitsProcessor` namesake: logit bias, repetition penalty, presence and
+frequency penalties, min-new-tokens, then temperature, top-k, top-p, min-p.
+
+Sampling is an exponential race, `argmax(p / E)` with `E ~ Exp(1)`, which draws from `p`
+exactly. A seeded request draws its noise from a generator keyed by (seed, position), so its
+tokens do not depend on what shares its batches, on chunking, or on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    generated: list[int]
+    stop_ids: frozenset[int]  # masked while fewer than min_new_tokens are generated
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [S]
+    logprobs: torch.Tensor | None = None  # [S]: chosen tokens
+    top_ids: torch.Tensor | None = None  # [S, k]
+    top_logprobs: torch.Tensor | None = None  # [S, k]
+
+
+def _rows(reqs: list[SampleRequest], pred) -> list[int]:
+    return [i for i, r in enumerate(reqs) if pred(r)]
+
+
+def _padded(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        for token, bias in (r.params.logit_bias or {}).items():
+            if token < logits.shape[1]:
+                rows.append(i), cols.append(token), vals.append(bias)
+    if rows:
+        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    """Like `RepetitionPenaltyLogitsProcessor`, over prompt and generated tokens."""
+    rows = _rows(reqs, lambda r: r.params.repetition_penalty != 1.0)
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    ids = _padded([reqs[i].prompt_ids + reqs[i].generated for i in rows], vocab, logits.device)
+    penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rows], device=logits.device)[:, None]
+    sub = torch.cat([logits[rows], torch.zeros(len(rows), 1, device=logits.device)], dim=1)
+    score = sub.gather(1, ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    sub.scatter_(1, ids, score)
+    logits[rows] = sub[:, :vocab]
+
+
+def apply_presence_frequency(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    """OpenAI semantics, over generated tokens: minus frequency * count, minus presence if seen."""
+    rows = _rows(reqs, lambda r: (r.params.presence_penalty or r.params.frequency_penalty) and r.generated)
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    ids = _padded([reqs[i].generated for i in rows], vocab, logits.device)
+    counts = torch.zeros(len(rows), vocab + 1, device=logits.device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=logits.device))
+    counts = counts[:, :vocab]
+    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], device=logits.device)[:, None]
+    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], device=logits.device)[:, None]
+    logits[rows] -= freq * counts + pres * (counts > 0)
+
+
+def apply_min_new_tokens(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    rows, cols = [], []
+    for i, r in enumerate(reqs):
+        if len(r.generated) < r.params.min_new_tokens:
+            for token in r.stop_ids:
+                if token < logits.shape[1]:
+                    rows.append(i), cols.append(token)
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Like `TopKLogitsWarper`, per row; k <= 0 keeps every token."""
+    k = top_k.clamp(max=logits.shape[1])
+    kmax = int(k.max())
+    if kmax <= 0:
+        return logits
+    kth = logits.topk(kmax, dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+    kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Like `TopPLogitsWarper`, per row; p = 1 keeps every token."""
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - top_p[:, None])
+    remove[:, -1] = False
+    return logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Like `MinPLogitsWarper`, per row; min_p = 0 keeps every token."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    remove = probs < threshold
+    remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)  # always keep the best token
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def warp(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for rows that sample; each only where some row uses it."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in reqs], device=device)
+    logits = logits / temperature[:, None]
+    top_k = torch.tensor([r.params.top_k for r in reqs], device=device)
+    if bool((top_k > 0).any()):
+        logits = apply_top_k(logits, top_k)
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
+    if bool((top_p < 1).any()):
+        logits = apply_top_p(logits, top_p)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=device)
+    if bool((min_p > 0).any()):
+        logits = apply_min_p(logits, min_p)
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = torch.Generator()
+        if seed is not None:
+            self._rng.manual_seed(seed)
+        else:
+            self._rng.seed()
+
+    def _noise(self, reqs: list[SampleRequest], vocab: int, device) -> torch.Tensor:
+        noise = torch.empty(len(reqs), vocab).exponential_(generator=self._rng)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None:
+                g = torch.Generator().manual_seed((r.params.seed * 1_000_003 + len(r.generated)) % 2**63)
+                noise[i] = torch.empty(vocab).exponential_(generator=g)
+        return noise.to(device)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
+        logits = logits.float()
+        apply_logit_bias(logits, reqs)
+        apply_repetition_penalty(logits, reqs)
+        apply_presence_frequency(logits, reqs)
+        apply_min_new_tokens(logits, reqs)
+
+        tokens = logits.argmax(dim=-1)
+        final = logits
+        sample_rows = _rows(reqs, lambda r: not r.params.greedy)
+        if sample_rows:
+            sub_reqs = [reqs[i] for i in sample_rows]
+            warped = warp(logits[sample_rows], sub_reqs)
+            probs = torch.softmax(warped, dim=-1)
+            tokens[sample_rows] = (probs / self._noise(sub_reqs, logits.shape[1], logits.device)).argmax(dim=-1)
+            final = logits.clone()
+            final[sample_rows] = warped
+
+        result = SampleResult(tokens)
+        if any(r.params.wants_logprobs for r in reqs):
+            logprobs = torch.log_softmax(final, dim=-1)
+            result.logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
+            k = max(r.params.top_logprobs for r in reqs)
+            if k:
+                result.top_logprobs, result.top_ids = logprobs.topk(k, dim=-1)
+        return result
