@@ -52,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import GenerationConfig
 
-    from . import ContinuousBatchingConfig, generate_batch, load_model
+    from . import ContinuousBatchingConfig, SamplingParams, generate_batch, load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]))
     prompts = _read_prompts(Path(args.input)) if args.input else BUILTIN_PROMPTS
@@ -65,13 +65,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         scheduler_type=args.scheduler,
     )
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
     start = time.perf_counter()
-    results = generate_batch(model, inputs, gen, config, progress_bar=not args.quiet)
+    results = generate_batch(
+        model, inputs, gen, config, progress_bar=not args.quiet, sampling_params=params, tokenizer=tokenizer
+    )
     seconds = time.perf_counter() - start
 
     out = open(args.output, "w") if args.output else None
     for prompt, (rid, res) in zip(prompts, results.items()):
-        text = tokenizer.decode(res.generated_tokens, skip_special_tokens=True)
+        text = res.text
         row = {
             "request_id": rid,
             "prompt": prompt,
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write JSONL results here instead of printing")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--block-size", type=int, default=256)
