@@ -81,9 +81,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def is_offloaded(self, request_id: str) -> bool:
-        return request_id in self._offloaded
-
     def remove(self, request_id: str) -> RequestState | None:
         """Take a request out wherever it is (cancel, failure) and free its blocks."""
         self.offloaded_blocks -= self._offloaded.pop(request_id, 0)
@@ -120,8 +117,9 @@ class Scheduler:
             plan.preempted.append(state)
         self.block_manager.free(state.request_id)
         plan.starved.append(state)
-        # Victims are taken newest first, so appendleft keeps the queue in arrival order.
-        self.waiting.appendleft(state)
+        # Back in arrival order, ahead of anything that came after it.
+        at = next((i for i, w in enumerate(self.waiting) if w.arrival > state.arrival), len(self.waiting))
+        self.waiting.insert(at, state)
 
     # -- one step ------------------------------------------------------------------------
     def _running_order(self, by_arrival: list[RequestState]) -> list[RequestState]:
@@ -196,7 +194,7 @@ class Scheduler:
                 (
                     s
                     for s in sorted(self.running.values(), key=lambda s: s.arrival, reverse=True)
-                    if s.request_id not in scheduled and s is not state
+                    if s.arrival > state.arrival and s.request_id not in scheduled
                 ),
                 None,
             )
