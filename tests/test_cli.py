@@ -1,0 +1,37 @@
+"""`contbatch generate`: prompts in, JSONL out, a throughput line, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from contbatch.cli import main
+
+
+def test_generate_from_text_file(tmp_path, capsys, default_model):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nName a primary colour.\n")
+    out = tmp_path / "out.jsonl"
+    code = main(["generate", "--input", str(prompts), "--output", str(out), "--max-new-tokens", "8", "--quiet"])
+    assert code == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["What is the capital of France?", "Name a primary colour."]
+    assert all(r["status"] == "finished" and 1 <= len(r["generated_tokens"]) <= 8 for r in rows)
+    assert "Paris" in rows[0]["text"]
+    assert "throughput: 2 requests" in capsys.readouterr().out
+
+
+def test_generate_jsonl_messages_and_sampling(tmp_path, capsys, default_model):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi"}]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--input", str(chats), "--output", str(out), "--max-new-tokens", "4", "--quiet",
+            "--temperature", "0.7", "--seed", "3"]
+    assert main(args) == 0
+    first = json.loads(out.read_text())
+    assert main(args) == 0
+    assert json.loads(out.read_text())["generated_tokens"] == first["generated_tokens"]  # seeded
+
+
+def test_generate_bad_argument_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
+    assert "not a local model folder" in capsys.readouterr().err
