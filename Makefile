@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The OpenAI-compatible server on the embedded model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 run: $(STAMP)
-	$(VENV)/bin/contbatch generate
+	$(VENV)/bin/contbatch serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 
 import contbatch
 
-SYSTEMS = ("contbatch", "contbatch-2048", "tf-cb", "padded16", "padded64", "padded16-sorted")
+SYSTEMS = ("contbatch", "contbatch-8192", "tf-cb", "padded16", "padded64", "padded16-sorted")
 PEER = "tf-cb"
 TF_PAGE_SIZE = 256  # transformers' default page size, stated so num_blocks below is sized for it
 
@@ -210,7 +210,7 @@ def bench_dtype(dtype_name: str, args, systems: list[str]) -> dict:
     print(f"   compute ceiling: {ceiling:.1f} output tok/s")
     runners = {
         "contbatch": lambda: run_contbatch(model, wl, "contbatch", None),
-        "contbatch-2048": lambda: run_contbatch(model, wl, "contbatch-2048", 2048),
+        "contbatch-8192": lambda: run_contbatch(model, wl, "contbatch-8192", 8192),
         PEER: lambda: run_transformers_cb(model, wl),
         "padded16": lambda: run_padded(model, tok, wl, "padded16", 16, False),
         "padded64": lambda: run_padded(model, tok, wl, "padded64", 64, False),

@@ -1,4 +1,5 @@
-"""`contbatch` command line: `contbatch generate` runs prompts through `generate_batch`."""
+"""`contbatch` command line: `contbatch generate` runs prompts through `generate_batch`;
+`contbatch serve` runs the OpenAI-compatible server; `contbatch bench serve` loads one."""
 
 from __future__ import annotations
 
@@ -127,7 +128,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     gen.add_argument("--quiet", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    from .server.serve import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model on 127.0.0.1:8000)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    from .bench.cli import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
+    add_bench_arguments(bench_serve)
+    bench_serve.set_defaults(func=_cmd_bench_serve)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .bench.cli import cmd_bench_serve
+
+    return cmd_bench_serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

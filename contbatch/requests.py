@@ -42,6 +42,8 @@ class GenerationOutput:
     queued_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    scheduled_at: float | None = None  # first time it was given a step: queue time ends here
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at that moment
     text: str | None = None  # decoded output (needs a tokenizer), stop string removed
     new_tokens: list[int] = field(default_factory=list)  # streaming: tokens since the last chunk
     delta_text: str = ""  # streaming: text since the last chunk
@@ -92,6 +94,8 @@ class RequestState:
     queued_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     finished_at: float | None = None
+    scheduled_at: float | None = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -147,6 +151,8 @@ class RequestState:
             queued_at=self.queued_at,
             first_token_at=self.first_token_at,
             finished_at=self.finished_at,
+            scheduled_at=self.scheduled_at,
+            cached_tokens=self.cached_tokens,
             text=self.detokenizer.emitted if self.detokenizer is not None else None,
             new_tokens=new,
             delta_text=delta,

@@ -10,6 +10,7 @@ from ..attention.paged import ATTENTION_NAME
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
 from ..config import (
+    DEFAULT_CPU_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_SAFETY_MARGINS,
     FALLBACK_MAX_REQUESTS_PER_BATCH,
@@ -69,7 +70,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     per_request = hinted_request_tokens(cfg)
     per_request = min(per_request, max_context) if per_request else max_context
 
-    max_batch_tokens = cfg.max_batch_tokens or max(MIN_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS)
+    default_tokens = DEFAULT_CPU_MAX_BATCH_TOKENS if device.type == "cpu" else DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens = cfg.max_batch_tokens or max(MIN_MAX_BATCH_TOKENS, default_tokens)
     max_requests = min(cfg.max_requests_per_batch or FALLBACK_MAX_REQUESTS_PER_BATCH, max_batch_tokens)
 
     if cfg.num_blocks is not None:

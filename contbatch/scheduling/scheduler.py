@@ -7,6 +7,7 @@ and cache blocks. It knows requests and the block manager, never tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -171,6 +172,9 @@ class Scheduler:
                 self.restores += 1
                 plan.restored.append(state)
             admitted.append(state)
+            if state.scheduled_at is None:
+                state.scheduled_at = time.time()
+                state.cached_tokens = state.num_computed_tokens  # prefix-cache hits, if any
             state.status = RequestStatus.PREFILLING
             self.running[state.request_id] = state
             plan.chunks.append(ScheduledChunk(state, got))

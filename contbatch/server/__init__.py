@@ -1,0 +1,34 @@
+"""The OpenAI-compatible HTTP server: `contbatch serve`, or `build_app()` from Python.
+
+    app.py          routes, and the lifespan that starts and stops the engine
+    schemas.py      strict request models (unknown generation parameters are rejected)
+    params.py       request fields -> SamplingParams, context and budget checks
+    prompts.py      text, token ids and chat messages -> prompt token ids
+    async_engine.py engine thread -> asyncio: per-request queues, cancellation
+    generation.py   JSON bodies and SSE streams, client disconnects
+    formatting.py   OpenAI response shapes: choices, chunks, logprobs, usage
+    metrics.py      Prometheus metrics, vLLM's names with a contbatch: prefix
+    gate.py         503 while draining, API keys, requests in flight
+    errors.py       OpenAI's error shape for every failure
+    draining.py     uvicorn with a drain phase on SIGTERM/SIGINT
+    serve.py        the CLI
+    settings.py     HTTP policies: names, keys, limits
+
+Imports are lazy so that `contbatch generate` does not pay for FastAPI.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ServerSettings", "build_app"]
+
+
+def __getattr__(name: str):
+    if name == "build_app":
+        from .app import build_app
+
+        return build_app
+    if name == "ServerSettings":
+        from .settings import ServerSettings
+
+        return ServerSettings
+    raise AttributeError(name)

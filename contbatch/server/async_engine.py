@@ -1,0 +1,183 @@
+"""The bridge between the engine thread and the asyncio server.
+
+The manager calls our result handler from its thread with every output. The handler does the
+least it can there: it updates the latency metrics and hands the output to the event loop with
+`call_soon_threadsafe`, onto the queue of the HTTP request it belongs to. No thread of the
+server ever blocks on the engine, however many requests stream at once.
+
+Every engine request ends with a final output (finished, cancelled or failed; the manager
+guarantees it, even on a hard stop or a crash of its loop). When a request's last sample has
+ended, its entry is dropped and what the manager kept for `get_result` is collected, whether
+or not a client is still listening: a disconnected client leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from ..engine.manager import ContinuousBatchingManager
+from ..requests import GenerationOutput
+from ..sampling.params import SamplingParams
+from .errors import APIError
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("contbatch.server")
+
+
+class Submission:
+    """The engine requests of one HTTP request (one per prompt), and where their outputs land."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, id: str, request_ids: list[str], n: int):
+        self.loop = loop
+        self.id = id  # what the client sees: the engine ids are this, or this-<prompt index>
+        self.request_ids = request_ids
+        self.n = n
+        self.queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+        self.cached_tokens = [0] * len(request_ids)  # per prompt, set by the engine thread
+        self.finals_seen = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finals_seen == len(self.request_ids) * self.n
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        """(prompt index, output) as they come, until every sample of every prompt has ended."""
+        while not self.done:
+            item = await self.queue.get()
+            if item[1].is_finished:
+                self.finals_seen += 1
+            yield item
+
+
+@dataclass
+class _Entry:
+    """Engine-thread bookkeeping for one engine request (one prompt, n samples)."""
+
+    submission: Submission
+    prompt_index: int
+    n: int
+    last_token_at: list[float | None] = field(default_factory=list)
+    finals: int = 0
+    generated: int = 0
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.last_token_at = [None] * self.n
+
+
+class AsyncEngine:
+    """Submit, stream and cancel engine requests from asyncio code."""
+
+    def __init__(self, manager: ContinuousBatchingManager, metrics: ServerMetrics | None = None) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self._live: dict[str, _Entry] = {}
+        manager.register_result_handler(self._on_output)
+
+    # -- event loop ----------------------------------------------------------------------
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], streaming: bool,
+               prefix: str = "cmpl") -> Submission:
+        """Queue every prompt at once (all or nothing). Bad input -> 400, queue full -> 429,
+        engine not running -> 503."""
+        loop = asyncio.get_running_loop()
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        n = params[0].n
+        sub = Submission(loop, base, ids, n)
+        for i, rid in enumerate(ids):  # before submitting: the first output may come at once
+            self._live[rid] = _Entry(sub, i, n)
+        try:
+            if len(prompts) == 1:
+                self.manager.add_request(prompts[0], request_id=ids[0], streaming=streaming, sampling_params=params[0])
+            else:
+                self.manager.add_requests(prompts, streaming=streaming, request_ids=ids, sampling_params=list(params))
+        except ValueError as exc:
+            self._forget(ids)
+            raise APIError(400, str(exc)) from exc
+        except RuntimeError as exc:
+            self._forget(ids)
+            if str(exc).startswith("queue full"):
+                raise APIError(429, f"{exc}; retry later", code="queue_full") from exc
+            raise APIError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable") from exc
+        return sub
+
+    def cancel(self, sub: Submission) -> None:
+        """End every unfinished request of `sub` now; their blocks are freed by the engine."""
+        for rid in sub.request_ids:
+            if rid in self._live:
+                self.manager.cancel_request(rid)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def _forget(self, ids: list[str]) -> None:
+        for rid in ids:
+            self._live.pop(rid, None)
+
+    def _finalize(self, request_id: str) -> None:
+        """Drop the entry and collect what the manager keeps for `get_result` (non-blocking:
+        the final output is already there when this runs)."""
+        self._live.pop(request_id, None)
+        try:
+            for _ in self.manager.request_id_iter(request_id, timeout=0):
+                pass
+        except KeyError:
+            pass  # already collected
+
+    # -- engine thread -------------------------------------------------------------------
+    def _on_output(self, out: GenerationOutput) -> None:
+        entry = self._live.get(out.request_id)
+        if entry is None:
+            return
+        sub = entry.submission
+        now = time.time()
+        self._observe(entry, out, now)
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (entry.prompt_index, out))
+            if out.is_finished:
+                entry.finals += 1
+                if entry.finals == entry.n:
+                    sub.loop.call_soon_threadsafe(self._finalize, out.request_id)
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody listens
+            self._live.pop(out.request_id, None)
+
+    def _observe(self, entry: _Entry, out: GenerationOutput, now: float) -> None:
+        m = self.metrics
+        k = len(out.new_tokens)
+        i = out.index
+        if entry.last_token_at[i] is None and out.first_token_at is not None:
+            if i == 0:
+                cached = out.cached_tokens
+                entry.submission.cached_tokens[entry.prompt_index] = cached
+                if m is not None:
+                    m.ttft.observe(max(0.0, out.first_token_at - out.queued_at))
+                    m.prompt_tokens.inc(len(out.prompt_ids))
+                    m.cached_tokens.inc(cached)
+                    if out.scheduled_at is not None:
+                        m.queue.observe(max(0.0, out.scheduled_at - out.queued_at))
+                        m.prefill.observe(max(0.0, out.first_token_at - out.scheduled_at))
+            entry.last_token_at[i] = out.first_token_at
+            k -= 1  # the first token's latency is TTFT, not an inter-token gap
+        elif k and entry.last_token_at[i] is not None and m is not None:
+            gap = (now - entry.last_token_at[i]) / k
+            for _ in range(k):
+                m.itl.observe(gap)
+        if len(out.new_tokens):
+            entry.last_token_at[i] = now
+            entry.generated += len(out.new_tokens)
+            if m is not None:
+                m.generation_tokens.inc(len(out.new_tokens))
+        if out.is_finished:
+            if entry.reason is None or out.finish_reason in ("error", "cancelled"):  # the worst sample's
+                entry.reason = out.finish_reason
+            if entry.finals + 1 == entry.n and m is not None:
+                end = out.finished_at or now
+                m.request_ended(entry.reason, end - out.queued_at, len(out.prompt_ids), entry.generated)
+                if out.first_token_at is not None:
+                    m.decode.observe(max(0.0, end - out.first_token_at))

@@ -1,0 +1,100 @@
+"""Turning request prompts into token ids: plain text, token ids, and chat messages.
+
+The tokenizer is the model's own; chat goes through its chat template exactly as
+`contbatch generate` does, so an HTTP chat request and a CLI one see the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import bad_request
+from .schemas import ChatMessage
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine gets it, and its text for `echo`."""
+
+    token_ids: list[int]
+    text: str
+
+
+def completion_prompts(tokenizer, prompt, add_special_tokens: bool) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = list(tokenizer.encode(item, add_special_tokens=add_special_tokens))
+            text = item
+        else:
+            ids = list(item)
+            text = None
+        if not ids:
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            raise bad_request(f"{where} is empty: a request needs at least one prompt token", "prompt")
+        if text is None:
+            text = decode(tokenizer, ids, "prompt")
+        out.append(Prompt(ids, text))
+    return out
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template expects them; text parts are joined by newlines, as in
+    vLLM; `developer` is OpenAI's newer name for `system`."""
+    rows = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        row = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            row["name"] = m.name
+        rows.append(row)
+    return rows
+
+
+def chat_prompt(
+    tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+    add_special_tokens: bool = False,
+) -> Prompt:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+        if messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
+    rows = message_dicts(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            rows, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False,
+        )
+    except Exception as exc:  # the template itself rejected the conversation (role order, ...)
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
+    # The template already wrote any special tokens it wants; adding BOS again would double it.
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if not ids:
+        raise bad_request("the chat template produced an empty prompt", "messages")
+    return Prompt(ids, text)
+
+
+def decode(tokenizer, ids: list[int], param: str) -> str:
+    """Text of token ids, with ids the tokenizer does not know answered as a 400."""
+    size = len(tokenizer)
+    bad = [t for t in ids if not 0 <= t < size]
+    if bad:
+        raise bad_request(f"token ids outside the vocabulary [0, {size}): {bad[:5]}", param)
+    try:
+        return tokenizer.decode(ids)
+    except Exception as exc:
+        raise bad_request(f"cannot decode these token ids: {exc}", param) from exc

@@ -1,0 +1,117 @@
+"""Request bodies of the OpenAI-compatible routes, as strict pydantic models.
+
+Every model forbids unknown fields: a parameter this server would not honour (tools, best_of
+above n, json mode, ...) is rejected with a 400 naming it, never silently ignored. Fields that
+change nothing about generation (`user`, `metadata`, `store`, ...) are accepted, as OpenAI's
+own clients send them. Values are strict (no "1.0" strings for numbers) and finite.
+
+The vLLM extensions that a sampling engine can honour are accepted too: top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, add_special_tokens, add_generation_prompt, continue_final_message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # the engine's top_logprobs limit
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """What completions and chat completions share: the model and how to sample."""
+
+    model: str | None = None  # optional, as in vLLM: the served model when left out
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: they change nothing about what is generated.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None  # rejected when set: the engine has no insertion mode
+    max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's 16, clipped to the context left
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)  # only None or == n: no server-side ranking
+    add_special_tokens: bool = True
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]  # json_object / json_schema would need constrained decoding
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None  # harmless without tools, which are rejected
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class TokenizeCompletionRequest(Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,93 @@
+"""`contbatch serve`: load the model, build the engine and the app, run uvicorn until a signal.
+
+Light at import (the CLI builds its parser from here): everything heavy is imported in
+`cmd_serve`. Shutdown is `draining.DrainingServer`'s: 503 for new requests, in-flight ones
+drained up to `--drain-timeout`, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+ATTN_IMPLEMENTATIONS = {"contbatch_paged": "contbatch_paged", "paged": "contbatch_paged"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (repeatable); "
+                        "default: $CONTBATCH_API_KEY if set")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as `model`; the first is reported (default: the model's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--attn-implementation", choices=sorted(ATTN_IMPLEMENTATIONS), default="contbatch_paged",
+                   help="the engine's attention kernel; contbatch has one, paged ('paged' is an alias)")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (engine default 256)")
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-batch-tokens", type=int, default=None)
+    p.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
+    p.add_argument("--safety-margin", type=float, default=None)
+    p.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of host memory for preempted KV")
+    p.add_argument("--max-queue-size", type=int, default=0,
+                   help="unfinished requests the engine holds at most; more get 429 (0 = unlimited)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context per request (prompt + completion); also sizes the KV cache on CPU")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
+    p.add_argument("--uvicorn-log-level", default="info")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    from dataclasses import replace
+
+    import torch
+    import uvicorn
+
+    from .. import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
+    from ..models import DEFAULT_MODEL_NAME
+    from .app import build_app
+    from .draining import DrainingServer
+    from .settings import ServerSettings
+
+    keys = tuple(args.api_key or ([os.environ["CONTBATCH_API_KEY"]] if os.environ.get("CONTBATCH_API_KEY") else []))
+    names = tuple(args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME])
+    settings = ServerSettings(served_model_names=names, model_root=str(args.model or DEFAULT_MODEL_NAME),
+                              api_keys=keys, max_model_len=args.max_model_len)
+    if args.max_body_bytes is not None:
+        settings = replace(settings, max_body_bytes=args.max_body_bytes)
+    if args.drain_timeout is not None:
+        settings = replace(settings, drain_timeout_s=args.drain_timeout)
+    config = ContinuousBatchingConfig(
+        num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, scheduler_type=args.scheduler,
+        safety_margin=args.safety_margin, cpu_offload_space=args.cpu_offload_space,
+        max_queue_size=args.max_queue_size,
+        # A context limit is a workload hint: the CPU cache and block tables are sized for it.
+        max_prompt_length=args.max_model_len,
+    )
+    if args.block_size is not None:
+        config = replace(config, block_size=args.block_size)
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    manager = ContinuousBatchingManager(model, None, config, tokenizer=tokenizer)
+    app = build_app(manager, tokenizer, settings)
+    banner = {
+        "model": settings.model_root, "served_model_names": list(names),
+        "url": f"http://{args.host}:{args.port}/v1", "api_key_required": bool(keys),
+        "max_model_len": app.state.limits.max_model_len,
+        "attn_implementation": ATTN_IMPLEMENTATIONS[args.attn_implementation],
+        "engine": manager.resolved_config.as_dict(),
+    }
+    print("contbatch serve: resolved configuration\n" + json.dumps(banner, indent=2), flush=True)
+
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, lifespan="on",
+        timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level == "debug",
+    )
+    server = DrainingServer(uv_config, app.state.server_state, settings.drain_timeout_s, manager)
+    server.run()
+    return 0 if server.started else 1
