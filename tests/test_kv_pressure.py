@@ -127,6 +127,10 @@ def test_prefix_cache_on_off_identical_with_hits(llama_model):
             ids = m.add_requests(prompts)
             results[sharing] = [m.get_result(rid, timeout=120).generated_tokens for rid in ids]
             stats = m.stats()
+            bm = m.cache.block_manager
+            # Idle: every block free or cached, no reference held, no table left.
+            assert stats["free_blocks"] == m.resolved_config.num_blocks
+            assert not any(bm._refs) and not bm.block_tables
         if sharing:
             # 37 shared tokens = 4 full blocks of 8; most requests find all 4 cached.
             assert stats["prefix_cache_hits"] >= 32 * 90, stats
