@@ -84,8 +84,3 @@ def generate_batch(
                 results[out.request_id] = out
                 bar.update(1)
     return {rid: results[rid] for rid in ids}
-
-
-def throughput(results: dict[str, GenerationOutput], seconds: float) -> str:
-    tokens = sum(len(r.generated_tokens) for r in results.values())
-    return f"{len(results)} requests, {tokens} tokens in {seconds:.2f}s: {tokens / max(seconds, 1e-9):.1f} tok/s"
