@@ -14,6 +14,15 @@ import torch
 from ..cache.paged_cache import PagedAttentionCache
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Which keys a query may see: causal, and within the window where the layer has one
+    (`q - k < window`, as `transformers` masks it). Broadcasts over its inputs."""
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
+
+
 @dataclass
 class PrefillRow:
     """A request computing several query tokens this step (a prompt chunk)."""
@@ -46,10 +55,7 @@ class DecodeGroup:
         mask = self._masks.get(sliding_window)
         if mask is None:
             key_pos = torch.arange(self.kv_len, device=self.kv_lens.device)[None, :]
-            lens = self.kv_lens[:, None]
-            visible = key_pos < lens
-            if sliding_window is not None:
-                visible &= key_pos > lens - 1 - sliding_window
+            visible = visible_keys(self.kv_lens[:, None] - 1, key_pos, sliding_window)
             mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
             mask.masked_fill_(~visible, float("-inf"))
             mask = mask[:, None, None, :]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged_cache import PagedAttentionCache
-from .metadata import BatchMetadata, DecodeGroup
+from .metadata import BatchMetadata, DecodeGroup, visible_keys
 
 ATTENTION_NAME = "contbatch_paged"
 
@@ -59,11 +59,7 @@ def _decode_attention(
 
 def _prefill_mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    k_pos = torch.arange(kv_len, device=device)[None, :]
-    visible = k_pos <= q_pos
-    if sliding_window is not None:
-        visible &= k_pos > q_pos - sliding_window
-    return visible
+    return visible_keys(q_pos, torch.arange(kv_len, device=device)[None, :], sliding_window)
 
 
 def _grouped_prefill(
@@ -119,13 +115,14 @@ def paged_attention_forward(
         else:
             k, v = meta.cache.gather(layer, row.kv_index)
             k, v = k.view(1, -1, row.kv_len, head_dim), v.view(1, -1, row.kv_len, head_dim)
-        if softcap is not None:
-            o = _grouped_prefill(q, k, v, _prefill_mask(n, row.kv_len, sliding_window, query.device), scaling, softcap)
-        elif row.kv_index is None and sliding_window is None:
+        if softcap is None and row.kv_index is None and sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             mask = _prefill_mask(n, row.kv_len, sliding_window, query.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            if softcap is not None:
+                o = _grouped_prefill(q, k, v, mask, scaling, softcap)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[s : s + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

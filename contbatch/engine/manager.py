@@ -240,18 +240,11 @@ class ContinuousBatchingManager:
         if state.status.is_done and state.detokenizer is not None:
             state.delta_text += state.detokenizer.update(state.generated_tokens, final=True)
         self._results.publish(state, state.parent_id or state.request_id)
-        if state.status.is_done and state.parent_id in self._samples:
-            if all(rid not in self._live_states for rid in self._samples[state.parent_id]):
-                del self._samples[state.parent_id]
+        # The store ends the parent only once its last sample has ended.
+        if state.parent_id in self._samples and state.parent_id not in self._results.live:
+            del self._samples[state.parent_id]
 
     # -- engine thread -------------------------------------------------------------------
-    @property
-    def _live_states(self) -> dict[str, RequestState]:
-        sched = self.scheduler
-        live = dict(sched.running)
-        live.update((s.request_id, s) for s in sched.waiting)
-        return live
-
     def _run(self) -> None:
         try:
             while True:
