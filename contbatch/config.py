@@ -19,6 +19,12 @@ MIN_MAX_BATCH_TOKENS = 256
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
 DEFAULT_MAX_MEMORY_PERCENT = 0.9
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+# "auto" picks flash-attn, else Triton on CUDA, and "torch" on the CPU (see attention/backend.py).
+# "reference" runs the GPU batch layout with PyTorch attention: for testing on any device.
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash", "reference")
+DEFAULT_Q_PADDING_INTERVAL = 64
+DEFAULT_KV_PADDING_INTERVAL = 256
+DEFAULT_MAX_CACHED_GRAPHS = 32
 DEFAULT_SAFETY_MARGINS = {"fifo": 0.15, "prefill_first": 0.0}
 
 
@@ -44,6 +50,15 @@ class ContinuousBatchingConfig:
     # CPU offload tier for KV-pressure victims, in GiB (0 disables: soft reset instead).
     cpu_offload_space: float = 0.0
     cpu_offload_space_safety_threshold: float = 0.8
+    # GPU path. `None` means "on where it can run"; an explicit value that cannot be honoured
+    # is logged as a warning and shows in `resolved_config` (and its notes).
+    attention_backend: str = "auto"
+    decode_fast_path: bool | None = None  # decode-only steps read K/V in place via block tables
+    use_cuda_graph: bool | None = None
+    use_async_batching: bool | None = None  # prepare step N+1 while step N computes
+    q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL  # varlen graphs: query tokens bucket
+    kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL  # varlen graphs: KV length bucket
+    max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -76,6 +91,11 @@ class ContinuousBatchingConfig:
             raise ValueError(
                 f"cpu_offload_space_safety_threshold must be in (0, 1], got {self.cpu_offload_space_safety_threshold}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 
@@ -104,7 +124,14 @@ class ResolvedConfig:
     cpu_offload_blocks: int
     cpu_offload_gib: float
     sliding_window_layers: int  # layers attending to a window rather than the whole sequence
+    kv_layout: str = "heads-first"  # "heads-first" [H_kv, slots, D] or "token-major" [slots, H_kv, D]
+    use_cuda_graph: bool = False
+    use_async_batching: bool = False
+    q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL
+    kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL
+    max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
+    warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 
     def as_dict(self) -> dict:
         return asdict(self)

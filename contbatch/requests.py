@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from .sampling.params import SamplingParams
 
 
+# Async batching: a token sampled by a step still in flight. It holds the token's place so
+# the next step can be planned; the device fills it in (carry-over) and the manager later.
+PLACEHOLDER = -1
+
+
 class RequestStatus(str, Enum):
     PENDING = "pending"
     PREFILLING = "prefilling"
@@ -96,6 +101,8 @@ class RequestState:
     finished_at: float | None = None
     scheduled_at: float | None = None
     cached_tokens: int = 0
+    pending_tokens: int = 0  # trailing placeholders (async batching)
+    committed_tokens: int = 0  # tokens whose blocks are published to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -110,20 +117,51 @@ class RequestState:
         """Tokens still to be run through the model before the next sample."""
         return len(self.all_token_ids) - self.num_computed_tokens
 
+    @property
+    def known_tokens(self) -> list[int]:
+        """Generated tokens without the trailing placeholders of steps still in flight."""
+        return self.generated_tokens[: len(self.generated_tokens) - self.pending_tokens]
+
+    @property
+    def exhausted(self) -> bool:
+        """Out of token budget (counting placeholders): it ends whatever its next token is."""
+        return len(self.generated_tokens) >= self.max_new_tokens or (
+            self.max_context is not None and len(self.all_token_ids) >= self.max_context
+        )
+
     def append_token(self, token: int) -> None:
         """Record a sampled token and finish the request if a stop condition holds."""
-        now = time.time()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.generated_tokens.append(token)
-        self.all_token_ids.append(token)
+        self.set_token(self.reserve_token(), token)
+
+    def reserve_token(self) -> int:
+        """Hold the place of a token still being sampled; returns its index in generated_tokens."""
+        self.generated_tokens.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
+        self.pending_tokens += 1
         self.status = RequestStatus.DECODING
-        if token in self.eos_token_ids and len(self.generated_tokens) >= self.min_new_tokens:
+        return len(self.generated_tokens) - 1
+
+    def set_token(self, index: int, token: int) -> None:
+        """Fill a reserved place; if the request stops there, later placeholders are dropped."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        self.generated_tokens[index] = token
+        self.all_token_ids[len(self.prompt_ids) + index] = token
+        self.pending_tokens -= 1
+        count = index + 1
+        if token in self.eos_token_ids and count >= self.min_new_tokens:
             self.finish(RequestStatus.FINISHED, "stop")
-        elif len(self.generated_tokens) >= self.max_new_tokens:
+        elif count >= self.max_new_tokens:
             self.finish(RequestStatus.FINISHED, "length")
-        elif self.max_context is not None and len(self.all_token_ids) >= self.max_context:
+        elif self.max_context is not None and len(self.prompt_ids) + count >= self.max_context:
             self.finish(RequestStatus.FINISHED, "length")
+
+    def drop_pending(self) -> None:
+        """Forget placeholders whose steps will never be applied (the request has ended)."""
+        if self.pending_tokens:
+            del self.generated_tokens[-self.pending_tokens :]
+            del self.all_token_ids[-self.pending_tokens :]
+            self.pending_tokens = 0
 
     def soft_reset(self) -> None:
         """Forget the KV: generated tokens stay in `all_token_ids` and get recomputed."""
@@ -132,19 +170,21 @@ class RequestState:
         self.soft_resets += 1
 
     def finish(self, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        self.drop_pending()
         self.status = status
         self.finish_reason = reason
         self.error = error
         self.finished_at = time.time()
 
     def to_output(self) -> GenerationOutput:
-        new = self.generated_tokens[self.published_tokens :]
-        self.published_tokens = len(self.generated_tokens)
+        known = self.known_tokens
+        new = known[self.published_tokens :]
+        self.published_tokens = len(known)
         delta, self.delta_text = self.delta_text, ""
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
-            generated_tokens=list(self.generated_tokens),
+            generated_tokens=list(known),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,

@@ -73,3 +73,22 @@ class BatchMetadata:
     @property
     def num_decode_rows(self) -> int:
         return sum(g.num_rows for g in self.decode_groups)
+
+
+@dataclass
+class FlatMetadata:
+    """A step as device tensors only, for the GPU kernels (and so for CUDA graphs): the
+    kernels walk block tables and length arrays themselves; nothing is read on the host."""
+
+    cache: PagedAttentionCache
+    kernels: "AttentionKernels"  # noqa: F821 (attention/kernels.py)
+    decode_only: bool
+    write_slots: torch.Tensor  # [T]
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    kv_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, W] int32
+    tile_request: torch.Tensor | None  # varlen query tiles (Triton)
+    tile_start: torch.Tensor | None
+    max_q_len: int  # host-side bounds, for kernels whose launch needs them (flash-attn)
+    max_kv_len: int

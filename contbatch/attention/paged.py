@@ -1,6 +1,8 @@
-"""Paged attention in PyTorch, plugged into `transformers` through its attention registry.
+"""Paged attention, plugged into `transformers` through its attention registry.
 
-Two paths share one call:
+With flat metadata (`FlatMetadata`, the GPU layout) the call hands the step to the chosen
+backend's kernels (`kernels.py`). With the torch path's metadata (`BatchMetadata`), two paths
+share one call:
 - decode rows (one query token each) run as one batched matmul against keys gathered from
   the paged cache through the block tables, with grouped-query heads folded so K/V are never
   repeated;
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged_cache import PagedAttentionCache
-from .metadata import BatchMetadata, DecodeGroup, visible_keys
+from .metadata import BatchMetadata, DecodeGroup, FlatMetadata, visible_keys
 
 ATTENTION_NAME = "contbatch_paged"
 
@@ -86,7 +88,7 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    cb_meta: BatchMetadata | None = None,
+    cb_meta: BatchMetadata | FlatMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query: [1, H, T, D]; key/value: [1, H_kv, T, D]; returns ([1, T, H, D], None)."""
@@ -101,6 +103,8 @@ def paged_attention_forward(
     layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
+    if isinstance(meta, FlatMetadata):
+        return _flat_attention(query, meta, layer, scaling, sliding_window, softcap), None
 
     _, num_heads, total, head_dim = query.shape
     out = query.new_empty(total, num_heads, head_dim)
@@ -125,6 +129,17 @@ def paged_attention_forward(
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[s : s + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _flat_attention(
+    query: torch.Tensor, meta: FlatMetadata, layer: int, scaling: float, sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Keys come from the cache only (this step's were just written): `[1, T, H, D]` out."""
+    q = query[0].transpose(0, 1)  # [T, H, D]; contiguous, as the projections lay it out
+    k_cache, v_cache = meta.cache.kv(layer)
+    kernel = meta.kernels.decode if meta.decode_only and meta.kernels.decode is not None else meta.kernels.varlen
+    return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0)
 
 
 def _fallback_attention(module: torch.nn.Module) -> Callable:

@@ -2,8 +2,11 @@
 
 Layout per layer: `[num_kv_heads, (num_blocks + 2) * block_size, head_dim]`. Heads first,
 so a step's new keys (`[1, H, T, D]` out of the model) are written with one `index_copy_`
-and no transpose. The two extra blocks are never handed out: the first holds the read-trash
-slot that padded reads point at, the second the write-trash slot for padded writes.
+and no transpose, and a block of one head is one contiguous tile for the kernels. The
+flash-attn backend needs token-major `[slots, num_kv_heads, head_dim]` instead
+(`token_major=True`); `kv(layer)` gives either as the logical `[H_kv, slots, D]` view.
+The two extra blocks are never handed out: the first holds the read-trash slot that padded
+reads point at, the second the write-trash slot for padded writes.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class PagedAttentionCache:
         device: torch.device | str = "cpu",
         enable_prefix_sharing: bool = False,
         eviction: str = "lru",
+        token_major: bool = False,
     ) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {block_size}")
@@ -86,8 +90,9 @@ class PagedAttentionCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
+        self.token_major = token_major
         rows = (num_blocks + RESERVED_BLOCKS) * block_size
-        shape = (layout.num_kv_heads, rows, layout.head_dim)
+        shape = (rows, layout.num_kv_heads, layout.head_dim) if token_major else (layout.num_kv_heads, rows, layout.head_dim)
         # Zeros, not empty: padded reads land in the trash block and must stay finite.
         self.key_cache = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
@@ -103,6 +108,12 @@ class PagedAttentionCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as logical `[H_kv, slots, D]` views (strided when
+        token-major): what the attention kernels index through block tables."""
+        k, v = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        return (k.transpose(0, 1), v.transpose(0, 1)) if self.token_major else (k, v)
 
     def gather_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Row indices into the flattened `[H_kv * rows, D]` view that read `slots` ([..., n])
@@ -130,11 +141,10 @@ class PagedAttentionCache:
         One gather per layer on the device, then one batched device-to-host copy (into pinned
         memory, asynchronously, when the cache is on a GPU).
         """
-        index = self.gather_index(self.slots_of(blocks, num_tokens))
-        d = self.layout.head_dim
+        index, width = self._rows_of(self.slots_of(blocks, num_tokens))
         out = []
         for tensors in (self.key_cache, self.value_cache):
-            stacked = torch.stack([t.view(-1, d).index_select(0, index) for t in tensors])
+            stacked = torch.stack([t.view(-1, width).index_select(0, index) for t in tensors])
             if self.device.type == "cuda":
                 host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
                 host.copy_(stacked, non_blocking=True)
@@ -144,15 +154,24 @@ class PagedAttentionCache:
 
     def copy_in(self, blocks: list[int], num_tokens: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Put back what `copy_out` took, into (possibly different) blocks."""
-        index = self.gather_index(self.slots_of(blocks, num_tokens))
-        d = self.layout.head_dim
+        index, width = self._rows_of(self.slots_of(blocks, num_tokens))
         keys = keys.to(self.device, non_blocking=True)
         values = values.to(self.device, non_blocking=True)
         for layer in range(self.layout.num_layers):
-            self.key_cache[layer].view(-1, d).index_copy_(0, index, keys[layer])
-            self.value_cache[layer].view(-1, d).index_copy_(0, index, values[layer])
+            self.key_cache[layer].view(-1, width).index_copy_(0, index, keys[layer])
+            self.value_cache[layer].view(-1, width).index_copy_(0, index, values[layer])
+
+    def _rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows of a 2-D view of one layer's tensor that hold `slots`, and that view's width."""
+        if self.token_major:
+            return slots, self.layout.num_kv_heads * self.layout.head_dim
+        return self.gather_index(slots), self.layout.head_dim
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's new K/V (`[H_kv, T, D]`) at their slots."""
-        self.key_cache[layer_idx].index_copy_(1, slots, key)
-        self.value_cache[layer_idx].index_copy_(1, slots, value)
+        if self.token_major:
+            self.key_cache[layer_idx].index_copy_(0, slots, key.transpose(0, 1))
+            self.value_cache[layer_idx].index_copy_(0, slots, value.transpose(0, 1))
+        else:
+            self.key_cache[layer_idx].index_copy_(1, slots, key)
+            self.value_cache[layer_idx].index_copy_(1, slots, value)

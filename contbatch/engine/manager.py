@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..attention.backend import FLAT_BACKENDS
+from ..attention.kernels import load_kernels
 from ..attention.paged import attach, detach
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
@@ -23,6 +25,10 @@ from ..requests import GenerationOutput, RequestState, RequestStatus
 from ..sampling.params import SamplingParams
 from ..scheduling.scheduler import SCHEDULER_MAPPING, Scheduler
 from .batch import build_batch
+from .buckets import Bucketing
+from .flat_batch import build_flat_batch
+from .flat_runner import FlatRunner, InFlight
+from .graphs import GraphCache, capture_cuda_graph
 from .resolve import describe, resolve_config
 from .results import ResultStore
 from .runner import ModelRunner
@@ -53,6 +59,9 @@ class ContinuousBatchingManager:
         self.cache: PagedAttentionCache | None = None
         self.scheduler: Scheduler | None = None
         self._runner = ModelRunner(model)
+        self._flat: FlatRunner | None = None  # the GPU-layout runner, for flat-metadata backends
+        self._inflight: InFlight | None = None  # async batching: the step whose tokens are not read yet
+        self._graphs: GraphCache | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
@@ -64,6 +73,8 @@ class ContinuousBatchingManager:
         self._destroyed = False
         self._saved_attn: str | None = None
         self.steps = 0
+        self.decode_only_steps = 0  # flat path: steps taken by the decode kernel, and their rows
+        self.decode_only_rows = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
 
@@ -77,8 +88,11 @@ class ContinuousBatchingManager:
         r = self.resolved_config
         if self.cache is None:
             self.cache = PagedAttentionCache(
-                self._layout, r.num_blocks, r.block_size, r.device, r.prefix_sharing, r.prefix_cache_eviction
+                self._layout, r.num_blocks, r.block_size, r.device, r.prefix_sharing, r.prefix_cache_eviction,
+                token_major=r.kv_layout == "token-major",
             )
+            if r.attention_backend in FLAT_BACKENDS:
+                self._flat = self._flat_runner(r)
         self.scheduler = SCHEDULER_MAPPING[r.scheduler_type](
             self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin,
             r.cpu_offload_blocks,
@@ -86,10 +100,25 @@ class ContinuousBatchingManager:
         self._host_kv.clear()
         self._saved_attn = attach(self.model)
         logger.info(describe(r))
+        for warning in r.warnings:
+            logger.warning("contbatch: %s", warning)
         self._stop_mode = None
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="contbatch-engine", daemon=True)
         self._thread.start()
+
+    def _flat_runner(self, r: ResolvedConfig) -> FlatRunner:
+        kernels = load_kernels(r.attention_backend, r.decode_fast_path, r.block_size)
+        bucketing = Bucketing(
+            r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
+            kernels.max_varlen_tiles, kernels.kv_keyed,
+        )
+        if r.use_cuda_graph:
+            self._graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
+        return FlatRunner(
+            self.model, self.cache, kernels, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
+            num_slots=2 if r.use_async_batching else 1, graphs=self._graphs,
+        )
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
         """Graceful: finish everything submitted. Hard: fail what is not finished."""
@@ -238,7 +267,7 @@ class ContinuousBatchingManager:
 
     def _publish(self, state: RequestState) -> None:
         if state.status.is_done and state.detokenizer is not None:
-            state.delta_text += state.detokenizer.update(state.generated_tokens, final=True)
+            state.delta_text += state.detokenizer.update(state.known_tokens, final=True)
         self._results.publish(state, state.parent_id or state.request_id)
         # The store ends the parent only once its last sample has ended.
         if state.parent_id in self._samples and state.parent_id not in self._results.live:
@@ -248,13 +277,15 @@ class ContinuousBatchingManager:
     def _run(self) -> None:
         try:
             while True:
-                self._drain_inbox(block=not self.scheduler.has_work())
+                busy = self.scheduler.has_work() or self._inflight is not None
+                self._drain_inbox(block=not busy)
                 if self._stop_mode == "hard":
                     break
-                if self._stop_mode == "graceful" and not self.scheduler.has_work() and self._inbox.empty():
+                busy = self.scheduler.has_work() or self._inflight is not None
+                if self._stop_mode == "graceful" and not busy and self._inbox.empty():
                     break
-                if self.scheduler.has_work():
-                    self._step()
+                if busy:
+                    self._step() if self._flat is None else self._step_flat()
         except Exception as exc:  # a bug in the loop itself: fail everything, lose nothing
             logger.exception("contbatch engine loop crashed")
             self._fail_all(f"engine loop crashed: {exc!r}")
@@ -299,6 +330,7 @@ class ContinuousBatchingManager:
         if self.scheduler is not None:
             pending += list(self.scheduler.waiting) + list(self.scheduler.running.values())
         self._host_kv.clear()
+        self._inflight = None  # its requests are among those failed here
         for state in pending:
             if self.scheduler is not None:
                 self.scheduler.remove(state.request_id)
@@ -308,13 +340,7 @@ class ContinuousBatchingManager:
     def _step(self) -> None:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        # Offloaded blocks may already be promised to others: copy out before anything else.
-        for off in plan.offloaded:
-            keys, values = self.cache.copy_out(off.blocks, off.num_tokens)
-            self._host_kv[off.state.request_id] = (keys, values, off.num_tokens)
-        for state in plan.restored:
-            keys, values, n = self._host_kv.pop(state.request_id)
-            self.cache.copy_in(self.cache.block_manager.table(state.request_id), n, keys, values)
+        self._move_kv(plan)
         if not plan.chunks:
             return
         try:
@@ -324,40 +350,126 @@ class ContinuousBatchingManager:
             tokens = result.tokens.tolist()
             self.forward_seconds += time.perf_counter() - t1
         except Exception as exc:
-            logger.exception("step failed; failing its %d requests", len(plan.chunks))
-            for chunk in plan.chunks:
-                self._host_kv.pop(chunk.state.request_id, None)
-                self.scheduler.remove(chunk.state.request_id)
-                chunk.state.finish(RequestStatus.FAILED, "error", f"step failed: {exc!r}")
-                self._publish(chunk.state)
+            self._fail_chunks([c.state for c in plan.chunks], exc)
             return
         block_manager = self.cache.block_manager
         for chunk in inputs.chunks:
             state = chunk.state
             state.num_computed_tokens += chunk.num_tokens
+            state.committed_tokens = state.num_computed_tokens
             block_manager.commit(state.request_id, state.all_token_ids, state.num_computed_tokens)
         self._record_logprobs(inputs.sampled, result)
         for state, token in zip(inputs.sampled, tokens):
             state.append_token(token)
-            detok = state.detokenizer
-            if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
-                state.delta_text += detok.update(state.generated_tokens)
-                if detok.stopped:
-                    state.finish(RequestStatus.FINISHED, "stop")
-            if state.status.is_done:
-                self.scheduler.finish(state)
-            self._publish(state)
+            self._after_token(state)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
 
+    def _move_kv(self, plan) -> None:
+        # Offloaded blocks may already be promised to others: copy out before anything else.
+        for off in plan.offloaded:
+            keys, values = self.cache.copy_out(off.blocks, off.num_tokens)
+            self._host_kv[off.state.request_id] = (keys, values, off.num_tokens)
+        for state in plan.restored:
+            keys, values, n = self._host_kv.pop(state.request_id)
+            self.cache.copy_in(self.cache.block_manager.table(state.request_id), n, keys, values)
+
+    def _after_token(self, state: RequestState) -> None:
+        """Stop strings, then retire or stream the request."""
+        detok = state.detokenizer
+        if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
+            state.delta_text += detok.update(state.known_tokens)
+            if detok.stopped:
+                state.finish(RequestStatus.FINISHED, "stop")
+        if state.status.is_done:
+            self._host_kv.pop(state.request_id, None)
+            self.scheduler.finish(state)
+        self._publish(state)
+
+    def _step_flat(self) -> None:
+        """One step of the GPU layout. With async batching, step N+1 is planned and launched
+        before step N's tokens are read: they reach N+1's inputs on the device (carry-over),
+        and the host applies them while N+1 computes."""
+        t0 = time.perf_counter()
+        prev, step = self._inflight, None
+        plan = self.scheduler.schedule()
+        with self._flat.streams.on("compute"):  # after any in-flight step's writes, in stream order
+            self._move_kv(plan)
+        if plan.chunks:
+            try:
+                rows = {s.request_id: i for i, s in enumerate(prev.batch.sampled)} if prev else None
+                tables = [self.cache.block_manager.table(c.state.request_id) for c in plan.chunks]
+                step = self._flat.launch(build_flat_batch(plan, tables, self.cache.block_size, rows), prev)
+            except Exception as exc:
+                self._fail_chunks([c.state for c in plan.chunks], exc)
+            else:
+                for chunk, computed in zip(step.batch.chunks, step.computed):
+                    chunk.state.num_computed_tokens = computed
+                step.token_index = [s.reserve_token() for s in step.batch.sampled]
+        self._inflight = None
+        if prev is not None:
+            self._finish_flat(prev)
+        if step is not None:
+            try:
+                self._flat.sample(step)
+            except Exception as exc:
+                self._fail_chunks([c.state for c in step.batch.chunks], exc)
+                step = None
+        if step is not None:
+            if self.resolved_config.use_async_batching:
+                self._inflight = step
+            else:
+                self._finish_flat(step)
+        self.steps += 1 if plan.chunks else 0
+        self.step_seconds += time.perf_counter() - t0
+
+    def _finish_flat(self, step: InFlight) -> None:
+        """Read a step's tokens and apply them: requests that ended meanwhile (a stop token
+        seen in the step before, a cancel) are skipped; their rows were computed for nothing."""
+        try:
+            t1 = time.perf_counter()
+            result = self._flat.wait(step)
+            tokens = result.tokens.tolist()
+            self.forward_seconds += time.perf_counter() - t1
+        except Exception as exc:
+            self._fail_chunks([c.state for c in step.batch.chunks], exc)
+            return
+        if step.shape.decode_only:
+            self.decode_only_steps += 1
+            self.decode_only_rows += step.batch.num_requests
+        bm = self.cache.block_manager
+        for chunk, computed in zip(step.batch.chunks, step.computed):
+            state = chunk.state
+            if not state.status.is_done:  # never past what is launched: a reset may have shrunk it
+                state.committed_tokens = min(computed, state.num_computed_tokens)
+                bm.commit(state.request_id, state.all_token_ids, state.committed_tokens)
+        self._record_logprobs(step.batch.sampled, result, live=[not s.status.is_done for s in step.batch.sampled])
+        for state, index, token in zip(step.batch.sampled, step.token_index, tokens):
+            if state.status.is_done:
+                continue
+            state.set_token(index, token)
+            self._after_token(state)
+
+    def _fail_chunks(self, states: list[RequestState], exc: Exception) -> None:
+        logger.exception("step failed; failing its %d requests", len(states))
+        for state in states:
+            if state.status.is_done:
+                continue
+            self._host_kv.pop(state.request_id, None)
+            self.scheduler.remove(state.request_id)
+            state.finish(RequestStatus.FAILED, "error", f"step failed: {exc!r}")
+            self._publish(state)
+
     @staticmethod
-    def _record_logprobs(states: list[RequestState], result) -> None:
+    def _record_logprobs(states: list[RequestState], result, live: list[bool] | None = None) -> None:
         if result.logprobs is None:
             return
         chosen = result.logprobs.tolist()
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         for i, state in enumerate(states):
+            if live is not None and not live[i]:
+                continue
             if state.logprobs is not None:
                 state.logprobs.append(chosen[i])
             if state.top_logprobs is not None:
@@ -386,4 +498,10 @@ class ContinuousBatchingManager:
             "waiting": len(sched.waiting) if sched else 0,
             "step_seconds": self.step_seconds,
             "forward_seconds": self.forward_seconds,
+            "decode_only_steps": self.decode_only_steps,
+            "decode_only_rows": self.decode_only_rows,
+            "gpu_busy_seconds": self._flat.busy_seconds if self._flat else 0.0,
+            "gpu_decode_seconds": self._flat.decode_seconds if self._flat else 0.0,
+            "graph_captures": self._graphs.captures if self._graphs else 0,
+            "graph_replays": self._graphs.replays if self._graphs else 0,
         }

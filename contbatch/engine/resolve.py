@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from ..attention.paged import ATTENTION_NAME
+from ..attention.backend import choose_backend
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
 from ..config import (
@@ -65,7 +65,11 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     layout = KVLayout.from_model_config(model.config, dtype)
-    bs = cfg.block_size
+    backend = choose_backend(
+        cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path, cfg.use_cuda_graph,
+        cfg.use_async_batching,
+    )
+    bs = backend.block_size
     max_context = model_context(model)
     per_request = hinted_request_tokens(cfg)
     per_request = min(per_request, max_context) if per_request else max_context
@@ -95,7 +99,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         max_blocks = max(blocks_for(FALLBACK_TABLE_TOKENS, bs), blocks_for(max_context, bs))
 
     margin = cfg.safety_margin if cfg.safety_margin is not None else DEFAULT_SAFETY_MARGINS[cfg.scheduler_type]
-    notes = []
+    notes = list(backend.notes)
     windowed = sliding_window_layers(model)
     if windowed:
         notes.append(
@@ -117,8 +121,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         max_context=max_context,
         scheduler_type=cfg.scheduler_type,
         safety_margin=margin,
-        attention_backend=f"{ATTENTION_NAME} (torch {device.type})",
-        decode_fast_path=True,
+        attention_backend=backend.name,
+        decode_fast_path=backend.decode_fast_path,
         max_queue_size=cfg.max_queue_size,
         kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
         prefix_sharing=cfg.allow_block_sharing,
@@ -127,6 +131,13 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         cpu_offload_gib=round(host_gib, 3),
         sliding_window_layers=windowed,
         notes=tuple(notes),
+        warnings=tuple(backend.warnings),
+        kv_layout=backend.kv_layout,
+        use_cuda_graph=backend.use_cuda_graph,
+        use_async_batching=backend.use_async_batching,
+        q_padding_interval_size=cfg.q_padding_interval_size,
+        kv_padding_interval_size=cfg.kv_padding_interval_size,
+        max_cached_graphs=cfg.max_cached_graphs,
     )
     return resolved, layout
 
@@ -141,8 +152,11 @@ def describe(resolved: ResolvedConfig) -> str:
         f"(addresses {resolved.max_blocks_per_request * resolved.block_size} tokens) "
         f"max_context={resolved.max_context} scheduler={resolved.scheduler_type} "
         f"safety_margin={resolved.safety_margin} attention={resolved.attention_backend} "
-        f"decode_fast_path={resolved.decode_fast_path} max_queue_size={resolved.max_queue_size or 'unlimited'} "
+        f"decode_fast_path={resolved.decode_fast_path} cuda_graphs={resolved.use_cuda_graph} "
+        f"async_batching={resolved.use_async_batching} kv_layout={resolved.kv_layout} "
+        f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}) "
         f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks)"
         + "".join(f"; note: {n}" for n in resolved.notes)
+        + "".join(f"; WARNING: {w}" for w in resolved.warnings)
     )

@@ -26,6 +26,6 @@ class ModelRunner:
             cb_meta=inputs.meta,
         )
         requests = [
-            SampleRequest(s.params, s.prompt_ids, s.generated_tokens, s.eos_token_ids) for s in inputs.sampled
+            SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in inputs.sampled
         ]
         return self.sampler(out.logits[0], requests)

@@ -96,8 +96,9 @@ class Scheduler:
         return state
 
     def finish(self, state: RequestState) -> None:
-        self.running.pop(state.request_id, None)
-        self.block_manager.free(state.request_id)
+        """Retire a request; with async batching it may have been preempted back into the
+        queue while its last step was in flight, so look everywhere."""
+        self.remove(state.request_id)
 
     def _preempt(self, state: RequestState, plan: StepPlan) -> None:
         """Make room: offload the victim's KV to host memory if it fits there, else soft
@@ -135,7 +136,7 @@ class Scheduler:
         for state in self._running_order(by_arrival):
             if tokens_left == 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
-            if state.request_id not in self.running:  # preempted earlier in this step
+            if state.request_id not in self.running or state.exhausted:  # preempted; or ends on its pending token
                 continue
             want = min(state.remaining_tokens, tokens_left)
             got = self._grow_running(state, want, scheduled, plan)
@@ -150,7 +151,7 @@ class Scheduler:
         for state in self.waiting:
             if tokens_left <= 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
-            if _waits_for_sibling(state):
+            if _waits_for_sibling(state) or state.exhausted:
                 continue  # only siblings of an n > 1 request step aside, to share its prompt
             if plan.chunks and bm.num_free_blocks < reserve:
                 plan.held_by_margin = len(self.waiting) - len(admitted)
@@ -225,7 +226,7 @@ def _waits_for_sibling(state: RequestState) -> bool:
     return (
         leader is not None
         and not leader.status.is_done
-        and leader.num_computed_tokens < len(leader.prompt_ids)
+        and leader.committed_tokens < len(leader.prompt_ids)
     )
 
 

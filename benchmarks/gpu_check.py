@@ -1,0 +1,406 @@
+"""GPU check of contbatch's GPU path in one run: exactness, throughput against transformers, and
+decode time against the memory-bandwidth floor. Run it through benchmarks/gpu_check.sh (which
+installs the carried wheels); `--smoke --device cpu` runs every part at tiny sizes on a CPU.
+
+Parts, each under its own time budget and try/except, results written after every run:
+ 1. exactness: float32 greedy output == `model.generate`, on SmolLM2-135M's architecture (random
+    weights) and a tiny Qwen3, across attention backends and decode fast path / CUDA graphs /
+    async batching on and off, block sizes 16 and 256, chunked prefill;
+ 2. offline throughput in bf16 (SmolLM2 arch and a ~1B Llama, 64 and 256 requests) against
+    transformers' `model.generate_batch`;
+ 3. decode step time at batch 64 against (weights + KV bytes) / measured copy bandwidth, and the
+    GPU busy fraction with async batching on and off.
+Exit status: 0, or 1 if any exactness case failed or any part crashed (after everything ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import contbatch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_models as M  # noqa: E402
+import gpu_check_report as R  # noqa: E402
+import gpu_check_runs as X  # noqa: E402
+
+FULL = dict(exact_n=12, exact_lo=5, exact_hi=200, exact_new=24, exact_mbt=64, exact_blocks=(16, 256),
+            tp_requests=(64, 256), tp_prompt=512, tp_new=256, tp_mbt=8192, warm_n=8, warm_prompt=64, warm_new=16,
+            bw_bytes=2 * 2**30, exact_budget_s=140, tp_budget_s=210, exact_run_s=60, cb_run_s=75, tf_run_s=100,
+            min_left_s=20)
+SMOKE = dict(exact_n=4, exact_lo=5, exact_hi=40, exact_new=6, exact_mbt=16, exact_blocks=(16, 256),
+             tp_requests=(4, 8), tp_prompt=32, tp_new=8, tp_mbt=256, warm_n=2, warm_prompt=8, warm_new=2,
+             bw_bytes=64 * 2**20, exact_budget_s=100, tp_budget_s=60, exact_run_s=30, cb_run_s=30, tf_run_s=30,
+             min_left_s=5)
+PART_FILE = "gpu_part_{}.json"  # one per part when gpu_check.sh runs the parts as separate processes
+
+
+class Report:
+    def __init__(self, out_dir: Path, smoke: bool, sizes: dict, json_name: str = "gpu_results.json") -> None:
+        self.out_dir, self.json_name = out_dir, json_name
+        self.data: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
+                           "sizes": {k: v for k, v in sizes.items()}, "errors": [],
+                           "status_line": "did not finish (killed or crashed)"}
+        self.failed = False
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.failed = True
+        self.data["errors"].append(f"{where}: {exc!r}")
+        log(f"ERROR in {where}: {exc!r}\n{traceback.format_exc()}")
+
+    def write(self) -> None:
+        """Atomic rewrite after every run: a timeout or kill keeps everything measured so far."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.data["failed"] = self.failed
+        files = [(self.json_name, json.dumps(self.data, indent=1, default=str))]
+        if self.json_name == "gpu_results.json":
+            files.append(("gpu_results.md", R.markdown(self.data)))
+        for name, text in files:
+            tmp = self.out_dir / (name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.out_dir / name)
+
+
+def left(s: dict) -> float:
+    """Seconds left in the running part's budget."""
+    return s["part_end"] - time.time()
+
+
+def env_info(device: str) -> dict:
+    import importlib.metadata as md
+    import importlib.util
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "transformers_path": str(Path(transformers.__file__).parent), "device": device,
+            "flash_attn": importlib.util.find_spec("flash_attn") is not None}
+    for pkg in ("triton", "tokenizers", "huggingface_hub", "safetensors"):
+        try:
+            info[pkg] = md.version(pkg)
+        except Exception:  # noqa: BLE001
+            info[pkg] = None
+    # `import contbatch` must not pull in the server stack (fastapi etc. are not on the GPU machine).
+    info["contbatch_server_modules_imported"] = sorted(m for m in sys.modules if m.startswith("contbatch.server"))
+    info["fastapi_imported"] = "fastapi" in sys.modules
+    if device.startswith("cuda"):
+        info["device_name"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    else:
+        info["device_name"] = f"CPU ({os.cpu_count()} cores)"
+    return info
+
+
+def exact_combos(flat: str) -> list[dict]:
+    out = [dict(attention_backend="torch")]
+    for fast in (False, True):
+        for graph in (False, True):
+            for asy in (False, True):
+                out.append(dict(attention_backend=flat, decode_fast_path=fast, use_cuda_graph=graph,
+                                use_async_batching=asy))
+    return out
+
+
+def config_mismatch(requested: dict, block_size: int, resolved: dict) -> list[str]:
+    diffs = [f"{k}: asked {v}, ran {resolved.get(k)}" for k, v in requested.items() if resolved.get(k) != v]
+    if resolved.get("block_size") != block_size:
+        diffs.append(f"block_size: asked {block_size}, ran {resolved.get('block_size')}")
+    return diffs
+
+
+def part_exactness(args, s: dict, rep: Report) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true float32
+    torch.backends.cudnn.allow_tf32 = False
+    rows: list[dict] = []
+    rep.data["exactness"] = {"rows": rows, "summary": "running"}
+    rep.data["exact_init_range"] = M.EXACTNESS_INIT_RANGE
+    cases = {}
+    for name in ("smollm2", "qwen3tiny"):
+        log(f"exactness: building {M.LABELS[name]} in float32")
+        model = M.build_model(name, torch.float32, args.device, args.smoke, seed=1,
+                              initializer_range=M.EXACTNESS_INIT_RANGE)
+        prompts = X.random_prompts(s["exact_n"], s["exact_lo"], s["exact_hi"], model.config.vocab_size, seed=2)
+        ref, margins = X.reference_generate(model, prompts, s["exact_new"])
+        low = min(min(m) for m in margins)
+        log(f"exactness: reference for {name}: {sum(map(len, ref))} tokens, smallest top-2 logit margin {low:.2e}")
+        cases[name] = (model, prompts, ref, margins)
+    for bs in s["exact_blocks"]:
+        for name, (model, prompts, ref, margins) in cases.items():
+            for req in exact_combos(args.flat_backend):
+                row = {"model": name, "block_size": bs, "requested": req, "n_prompts": len(prompts), "notes": []}
+                rows.append(row)
+                if left(s) < 5:
+                    row["status"] = "SKIPPED"
+                    row["notes"].append("exactness time budget spent")
+                    continue
+                nb = X.blocks_needed(prompts, s["exact_new"], bs) + 8
+                try:
+                    r = X.run_contbatch(model, prompts, s["exact_new"], args.device, min(s["exact_run_s"], left(s)), block_size=bs,
+                                        max_batch_tokens=s["exact_mbt"], num_blocks=nb, **req)
+                except Exception as e:  # noqa: BLE001
+                    row.update(status="ERROR", notes=[repr(e)[:300]])
+                    log(f"exactness {name} bs={bs} {req}: ERROR {e!r}")
+                    if isinstance(e, X.RunTimeout):
+                        row["notes"].append("later runs may share the device with the stuck one")
+                    rep.write()
+                    continue
+                row.update(resolved=r["resolved"], stats=r["stats"], wall_s=r["e2e_s"])
+                equal = [a == b for a, b in zip(r["tokens"], ref)]
+                row["matched"] = sum(equal)
+                for i, ok in enumerate(equal):
+                    if not ok:
+                        got = r["tokens"][i]
+                        pos = next((j for j, (a, b) in enumerate(zip(got, ref[i])) if a != b), min(len(got), len(ref[i])))
+                        m = margins[i][pos] if pos < len(margins[i]) else None
+                        row["notes"].append(f"prompt {i} (len {len(prompts[i])}) first differs at token {pos} "
+                                            f"(ref top-2 margin {m if m is None else format(m, '.2e')})")
+                        break
+                row["notes"] += r["errors"]
+                mismatch = config_mismatch(req, bs, r["resolved"])
+                cuda = args.device.startswith("cuda")
+                if mismatch:
+                    row["notes"].append(("NOT AS REQUESTED: " if cuda else "fallback (expected off-GPU): ") + "; ".join(mismatch))
+                row["notes"] += [f"warning: {w}" for w in r["resolved"].get("warnings", [])]
+                if r["resolved"].get("use_cuda_graph") and cuda and not r["stats"].get("graph_replays"):
+                    row["notes"].append("graphs on but no replay counted" + (" (stat missing)" if "graph_replays" in r["missing_stats"] else ""))
+                ok = row["matched"] == len(prompts) and not r["errors"] and not (cuda and mismatch)
+                row["status"] = "PASS" if ok else "FAIL"
+                v = r["resolved"]
+                log(f"exactness {name:9} bs={bs:3} {req} -> {row['status']} {row['matched']}/{len(prompts)} "
+                    f"ran {v['attention_backend']} fast={v['decode_fast_path']} graphs={v['use_cuda_graph']} "
+                    f"async={v['use_async_batching']} layout={v['kv_layout']} ({r['e2e_s']:.1f}s)"
+                    + ("".join(f"\n    {n}" for n in row["notes"]) if row["notes"] else ""))
+                rep.write()
+    del cases
+    X.free_memory(args.device)
+    counts = {k: sum(r["status"] == k for r in rows) for k in ("PASS", "FAIL", "ERROR", "SKIPPED")}
+    rep.data["exactness"]["summary"] = ", ".join(f"{v} {k}" for k, v in counts.items())
+    if counts["FAIL"] or counts["ERROR"]:
+        rep.failed = True
+    log(f"exactness: {rep.data['exactness']['summary']}")
+
+
+def update_ratios(rows: list[dict]) -> None:
+    """Every contbatch row against the transformers row of the same model and request count."""
+    for x in rows:
+        tf = next((t for t in rows if t["system"] == "tf" and t["model"] == x["model"] and t["requests"] == x["requests"]
+                   and t.get("tok_s_e2e")), None)
+        if x["system"].startswith("contbatch") and x.get("tok_s_e2e") and tf:
+            x["vs_tf_e2e"] = x["tok_s_e2e"] / tf["tok_s_e2e"]
+            x["vs_tf_gen"] = x["tok_s_gen"] / tf["tok_s_gen"] if x.get("tok_s_gen") and tf.get("tok_s_gen") else None
+
+
+def part_throughput(args, s: dict, rep: Report) -> None:
+    dtype = torch.bfloat16
+    rows: list[dict] = []
+    tp = rep.data["throughput"] = {"rows": rows, "tf_attn": X.tf_attention(), "params": {}}
+    models = {}
+    for name in ("llama1b", "smollm2"):
+        log(f"throughput: building {M.LABELS[name]} in bf16 ({M.describe_config(name, args.smoke)})")
+        model = M.build_model(name, dtype, args.device, args.smoke, seed=3)
+        nbytes = {"weight_bytes": M.weight_bytes_per_decode_step(model), "kv_bytes_per_token": M.kv_bytes_per_token(model)}
+        tp["params"][name] = M.n_params(model)
+        log(f"throughput: {name}: {M.n_params(model) / 1e9:.3f}B parameters, {nbytes['weight_bytes'] / 1e9:.3f} GB "
+            f"read per decode step, {nbytes['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token")
+        models[name] = (model, nbytes)
+    mbt, new, plen = s["tp_mbt"], s["tp_new"], s["tp_prompt"]
+    # On the GPU contbatch runs its defaults ("auto"); a CPU would pick the torch backend, which has
+    # no decode-only stats, so smoke runs take the flat backend to exercise part 3's arithmetic.
+    base = {} if args.device.startswith("cuda") else {"attention_backend": args.flat_backend}
+
+    def cache_blocks(n: int) -> int:  # the same generous explicit cache for both systems
+        return 2 * n * -(-(plen + new) // 256) + 8
+
+    for name, (model, _) in models.items():  # warm-ups: kernels compiled, allocator and handles primed
+        vocab = model.config.vocab_size
+        wp = X.random_prompts(s["warm_n"], s["warm_prompt"], s["warm_prompt"], vocab, seed=4)
+        for system, fn in (("contbatch", lambda: X.run_contbatch(model, wp, s["warm_new"], args.device, s["cb_run_s"],
+                                                                  max_batch_tokens=mbt, num_blocks=64, **base)),
+                           ("tf", lambda: X.run_transformers_cb(model, wp, s["warm_new"], args.device, s["tf_run_s"],
+                                                                mbt, 64))):
+            try:
+                r = fn()
+                log(f"warm-up {name} {system}: {r['e2e_s']:.1f}s")
+            except Exception as e:  # noqa: BLE001
+                rep.error(f"warm-up {name} {system}", e)
+                if isinstance(e, X.RunTimeout):
+                    return
+            X.free_memory(args.device)
+    r64, r256 = s["tp_requests"]
+    plan = [("llama1b", r64, "contbatch", {}), ("llama1b", r64, "tf", None),
+            ("llama1b", r64, "contbatch async off", {"use_async_batching": False}),
+            ("smollm2", r64, "contbatch", {}), ("smollm2", r64, "tf", None),
+            ("llama1b", r256, "contbatch", {}), ("smollm2", r256, "contbatch", {}),
+            ("llama1b", r256, "tf", None), ("smollm2", r256, "tf", None)]
+    stuck = False
+    for name, n, system, extra in plan:
+        model, nbytes = models[name]
+        row = {"model": name, "requests": n, "system": system, "prompt_len": plen, "new_tokens": new,
+               "model_bytes": nbytes, "notes": []}
+        rows.append(row)
+        budget = min(s["tf_run_s"] if extra is None else s["cb_run_s"], left(s) - 5)
+        if stuck or budget < s["min_left_s"]:
+            row.update(status="SKIPPED", notes=["a previous run is still on the device" if stuck else "time budget spent"])
+            rep.write()
+            continue
+        prompts = X.random_prompts(n, plen, plen, model.config.vocab_size, seed=10 + n)
+        try:
+            if extra is None:
+                r = X.run_transformers_cb(model, prompts, new, args.device, budget, mbt, cache_blocks(n))
+                row["notes"].append(r["attn"])
+            else:
+                r = X.run_contbatch(model, prompts, new, args.device, budget, max_batch_tokens=mbt,
+                                    num_blocks=cache_blocks(n), **base, **extra)
+                v = r["resolved"]
+                row.update(stats=r["stats"], missing_stats=r["missing_stats"], resolved=v)
+                row["notes"].append(f"ran {v['attention_backend']} fast={v['decode_fast_path']} graphs={v['use_cuda_graph']} "
+                                    f"async={v['use_async_batching']} blocks={v['num_blocks']}x{v['block_size']} "
+                                    f"mbt={v['max_batch_tokens']} steps={int(r['stats']['steps'])}")
+                row["notes"] += [f"warning: {w}" for w in v.get("warnings", [])]
+        except Exception as e:  # noqa: BLE001
+            row.update(status="ERROR", notes=[repr(e)[:300]])
+            log(f"throughput {name} n={n} {system}: ERROR {e!r}")
+            stuck = isinstance(e, X.RunTimeout)
+            rep.failed = True
+            rep.write()
+            X.free_memory(args.device)
+            continue
+        expected = n * new
+        row.update(e2e_s=r["e2e_s"], gen_s=r["gen_s"], peak_gib=r["peak_gib"], output_tokens=r["output_tokens"],
+                   tok_s_e2e=r["output_tokens"] / r["e2e_s"],
+                   tok_s_gen=r["output_tokens"] / r["gen_s"] if r["gen_s"] else None)
+        row["status"] = "ok" if r["output_tokens"] == expected and not r["errors"] else "BAD OUTPUT"
+        if row["status"] != "ok":
+            row["notes"].append(f"{r['output_tokens']} of {expected} tokens; {'; '.join(r['errors'])[:200]}")
+        if extra is not None:
+            row["decode"] = R.decode_floor(row, (rep.data.get("bandwidth") or {}).get("bytes_per_s"))
+        update_ratios(rows)
+        d = row.get("decode") or {}
+        log(f"throughput {name} n={n} {system}: {row['status']} e2e {r['e2e_s']:.2f}s ({row['tok_s_e2e']:.0f} tok/s), "
+            f"gen {R._f(r['gen_s'])}s ({R._f(row['tok_s_gen'], '.0f')} tok/s)"
+            + (f", vs tf {row['vs_tf_e2e']:.2f}x e2e" if row.get("vs_tf_e2e") else "")
+            + (f", decode step {d['step_s'] * 1e3:.3f} ms, floor/step {R._f(d.get('floor_over_step'))}" if d.get("step_s") else "")
+            + (f", busy {R._f(d.get('busy_fraction'), '.1%')}" if d else "") + f"; {'; '.join(row['notes'])}")
+        rep.write()
+        X.free_memory(args.device)
+
+
+def merge(out_dir: Path) -> int:
+    """Combine the parts' JSON files (written by separate processes, so that a crashed kernel or a
+    poisoned CUDA context in one part cannot take the other down) into gpu_results.{json,md}."""
+    data: dict = {"errors": []}
+    failed = False
+    for part, keys in (("exact", ("exactness", "exact_init_range")), ("throughput", ("throughput", "bandwidth"))):
+        path = out_dir / PART_FILE.format(part)
+        if not path.exists():
+            failed = True
+            data["errors"].append(f"part {part}: no results ({path.name} missing: crashed at start-up or not run; see the log)")
+            continue
+        d = json.loads(path.read_text())
+        for k, v in d.items():
+            if k in keys or (k not in ("errors", "status_line", "failed", "exactness", "throughput", "bandwidth")
+                             and k not in data):
+                data[k] = v
+        data["errors"] += [f"part {part}: {e}" for e in d.get("errors", [])]
+        status = d.get("status_line", "")
+        failed |= bool(d.get("failed")) or not status.startswith("finished")
+        if not status.startswith("finished"):
+            data["errors"].append(f"part {part}: {status}")
+    data["failed"] = failed
+    data["status_line"] = "SOME CHECKS FAILED OR DID NOT FINISH" if failed else "all checks passed"
+    (out_dir / "gpu_results.json").write_text(json.dumps(data, indent=1, default=str))
+    md = R.markdown(data)
+    (out_dir / "gpu_results.md").write_text(md)
+    print("\n" + md, flush=True)
+    log(f"merged into {out_dir / 'gpu_results.md'} and gpu_results.json; {data['status_line']}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (for a CPU): checks the script, measures nothing")
+    p.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or "out/gpu_check"))
+    p.add_argument("--parts", default="exact,throughput",
+                   help="comma list of: exact, throughput. One part alone writes gpu_part_<part>.json (see --merge)")
+    p.add_argument("--merge", action="store_true", help="only combine gpu_part_*.json into gpu_results.{json,md}")
+    p.add_argument("--flat-backend", help="backend of the exactness matrix (default: triton on cuda, reference on cpu)")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    args = p.parse_args()
+    if args.merge:
+        return merge(args.out_dir)
+    s = dict(SMOKE if args.smoke else FULL)
+    for k in ("exact_budget_s", "tp_budget_s"):
+        s[k] *= args.budget_scale
+    args.flat_backend = args.flat_backend or ("triton" if args.device.startswith("cuda") else "reference")
+    transformers.logging.set_verbosity_error()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        log("ERROR: --device cuda but torch sees no GPU")
+        return 2
+    names = [x for x in args.parts.split(",") if x]
+    rep = Report(args.out_dir, args.smoke, s, PART_FILE.format(names[0]) if len(names) == 1 else "gpu_results.json")
+
+    def on_term(signum, frame):  # the shell's `timeout`: keep what was measured
+        rep.data["status_line"] = f"killed by signal {signum} at +{time.time() - T0:.0f}s; the rest is missing"
+        rep.write()
+        log(rep.data["status_line"])
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
+    rep.data["env"] = env_info(args.device)
+    rep.data["models"] = {n: M.describe_config(n, args.smoke) for n in ("smollm2", "llama1b", "qwen3tiny")}
+    rep.data["smollm2_config_check"] = M.check_smollm2_config()
+    log("env: " + json.dumps(rep.data["env"]))
+    log(f"SmolLM2 config: {rep.data['smollm2_config_check']}")
+    if rep.data["env"]["contbatch_server_modules_imported"] or rep.data["env"]["fastapi_imported"]:
+        log("NOTE: `import contbatch` imported server modules: "
+            + ", ".join(rep.data["env"]["contbatch_server_modules_imported"]))
+    if "throughput" in names:  # the floor of part 3 needs it; measured in the same process
+        try:
+            rep.data["bandwidth"] = X.copy_bandwidth(args.device, s["bw_bytes"])
+            log(f"copy bandwidth: {rep.data['bandwidth']['bytes_per_s'] / 1e12:.3f} TB/s (read+written)")
+        except Exception as e:  # noqa: BLE001
+            rep.error("bandwidth", e)
+    rep.write()
+    parts = {"exact": (part_exactness, "exact_budget_s"), "throughput": (part_throughput, "tp_budget_s")}
+    for name in names:
+        fn, budget = parts[name]
+        s["part_end"] = time.time() + s[budget]
+        log(f"== part {name} (budget {s[budget]:.0f}s)")
+        try:
+            fn(args, s, rep)
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"part {name}", e)
+        X.free_memory(args.device)
+        rep.write()
+    rep.data["status_line"] = (f"finished in {time.time() - T0:.0f}s; "
+                               + ("SOME CHECKS FAILED" if rep.failed else "all checks passed"))
+    rep.write()
+    if rep.json_name == "gpu_results.json":
+        print("\n" + R.markdown(rep.data), flush=True)
+    log(f"wrote {args.out_dir / rep.json_name}; {rep.data['status_line']}")
+    return 1 if rep.failed else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # engine/transformers threads left behind by a timed-out run must not hold the exit

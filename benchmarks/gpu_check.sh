@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# GPU check of contbatch (benchmarks/gpu_check.py): exactness matrix, bf16 throughput against
+# transformers' generate_batch, decode step vs the memory-bandwidth floor. One run, < 8 minutes.
+#
+# On the lent GPU machine, through the device tool (the wheels in .whl/ are git-ignored, so
+# they must be carried; .whl holds transformers 5.24.0 and tokenizers 0.23.3, ~17 MiB):
+#
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#
+# then give_back. Worst case ~470 s (the two parts' timeouts, 190 + 255 s, plus ~25 s of wheel
+# install and version checks); typically less. What comes back under $OUT (6 files):
+# gpu_check.log (everything printed), env.txt (nvidia-smi, versions), gpu_results.md (the tables,
+# to paste into benchmarks/RESULTS.md), gpu_results.json (raw, merged) and gpu_part_exact.json /
+# gpu_part_throughput.json (each part's raw results, written as it goes: kept on a timeout).
+# Exit status 0 only if every check passed and both parts finished.
+# Populate .whl first, on the development machine:
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl transformers==5.24.0 tokenizers==0.23.3
+#
+# Smoke test anywhere (no wheels installed, project venv, tiny sizes on the CPU):
+#
+#   PYTHON=.venv/bin/python SKIP_WHEELS=1 bash benchmarks/gpu_check.sh --smoke --device cpu
+#
+# Arguments are passed to gpu_check.py. Env: PYTHON (default python3), SKIP_WHEELS=1,
+# GPU_CHECK_EXACT_TIMEOUT / GPU_CHECK_TP_TIMEOUT (seconds per part, default 190 / 255; the
+# python's own budgets end each part ~20 s sooner), OUT (output folder; default out/gpu_check).
+# Smoke runs want smaller limits, e.g. GPU_CHECK_EXACT_TIMEOUT=150 GPU_CHECK_TP_TIMEOUT=110.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUTDIR="${OUT:-$PWD/out/gpu_check}"
+LIMIT_EXACT="${GPU_CHECK_EXACT_TIMEOUT:-190}"
+LIMIT_TP="${GPU_CHECK_TP_TIMEOUT:-255}"
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+main() {
+echo "== gpu_check.sh $(date -u +%FT%TZ) on $(hostname), args: $*"
+{
+  echo "== nvidia-smi"; (nvidia-smi 2>&1 || echo "nvidia-smi not available")
+  echo "== uname"; uname -a
+  echo "== python"; "$PY" --version
+} | tee "$OUTDIR/env.txt"
+
+if [[ "${SKIP_WHEELS:-0}" != "1" ]]; then
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  if (( ${#wheels[@]} == 0 )); then
+    echo "ERROR: no wheels in .whl/ (carry [\".whl\"] in the run call, or SKIP_WHEELS=1)"; exit 2
+  fi
+  echo "== installing ${#wheels[@]} wheels into /tmp/site: ${wheels[*]}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+"$PY" - <<'EOF' 2>&1 | tee -a "$OUTDIR/env.txt"
+import importlib.metadata as md, importlib.util, sys
+for name in ("torch", "triton", "transformers", "tokenizers", "huggingface_hub", "safetensors", "numpy", "regex", "tqdm", "psutil"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except Exception as e:
+        print(f"{name} MISSING ({e!r})")
+import torch, transformers
+print("torch.cuda:", torch.version.cuda, "available:", torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+print("transformers imported from", transformers.__file__, transformers.__version__)
+print("flash_attn importable:", importlib.util.find_spec("flash_attn") is not None)
+import contbatch
+print("contbatch", contbatch.__version__, "from", contbatch.__file__,
+      "| server modules imported by `import contbatch`:",
+      sorted(m for m in sys.modules if m.startswith("contbatch.server")) or "none",
+      "| fastapi imported:", "fastapi" in sys.modules)
+EOF
+
+# Each part in its own process, so a kernel fault (a poisoned CUDA context, a segfault) in the
+# exactness matrix cannot cost the timings; each under its own timeout, results written as it goes.
+rm -f "$OUTDIR"/gpu_part_*.json "$OUTDIR"/gpu_results.*
+rc=0
+for part in exact throughput; do
+  if [[ $part == exact ]]; then limit="$LIMIT_EXACT"; else limit="$LIMIT_TP"; fi
+  echo "== gpu_check.py --parts $part (timeout ${limit}s), writing to $OUTDIR"
+  prc=0
+  timeout --signal=TERM --kill-after=15 "$limit" "$PY" -u benchmarks/gpu_check.py --parts "$part" --out-dir "$OUTDIR" "$@" || prc=$?
+  case "$prc" in
+    0) echo "== part $part: passed" ;;
+    124) echo "== part $part: TIMED OUT after ${limit}s; partial results kept" ;;
+    *) echo "== part $part: exit status $prc (1: a check failed or a run crashed; see above)" ;;
+  esac
+  if (( rc == 0 )); then rc=$prc; fi
+done
+mrc=0
+"$PY" -u benchmarks/gpu_check.py --merge --out-dir "$OUTDIR" || mrc=$?
+if (( rc == 0 )); then rc=$mrc; fi
+echo "== gpu_check.sh: exit status $rc ($( (( rc == 0 )) && echo 'all checks passed' || echo 'see FAIL/ERROR/TIMED OUT above'))"
+ls -la "$OUTDIR"
+return "$rc"
+}
+
+: > "$OUTDIR/gpu_check.log"
+main "$@" 2>&1 | tee -a "$OUTDIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"

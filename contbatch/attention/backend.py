@@ -1,0 +1,115 @@
+"""Which attention kernels a manager uses, chosen once at start-up and reported back.
+
+The reference engine drops its decode fast path silently when the kernel it needs is
+missing. Here every request that cannot be honoured becomes a warning (logged when the
+manager starts) and the resolved value says what actually runs.
+
+Backends:
+- `torch`: the CPU path. Decode rows gather their keys and run batched matmuls; prefill
+  chunks run SDPA per request. Host-side metadata, so no CUDA graphs.
+- `triton`: our kernels (`triton_kernels.py`) over flat tensor metadata: a varlen kernel for
+  mixed steps and a decode fast path that reads K/V in place through the block tables.
+- `flash`: `flash_attn_varlen_func` / `flash_attn_with_kvcache` over the same metadata; the
+  cache is token-major and blocks a multiple of 256 tokens, as flash-attn's paged path needs.
+- `reference`: the flat metadata with PyTorch attention (`varlen_reference.py`): the GPU
+  batch layout, padding, graph buckets and async carry-over, testable on any device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+FLAT_BACKENDS = ("triton", "flash", "reference")  # take `FlatMetadata`, not the torch path's
+FAST_PATH_BACKENDS = FLAT_BACKENDS
+GRAPH_BACKENDS = ("triton", "flash")  # no host syncs inside the forward
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def triton_runs_here(device_type: str) -> bool:
+    """Triton compiles for CUDA; on the CPU only its interpreter can run our kernels."""
+    if not _importable("triton"):
+        return False
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class BackendChoice:
+    name: str
+    block_size: int
+    decode_fast_path: bool
+    use_cuda_graph: bool
+    use_async_batching: bool
+    kv_layout: str
+    notes: list[str] = field(default_factory=list)  # why something is off or changed
+    warnings: list[str] = field(default_factory=list)  # the user asked for it and did not get it
+
+
+def choose_backend(
+    requested: str,
+    device_type: str,
+    block_size: int,
+    decode_fast_path: bool | None,
+    use_cuda_graph: bool | None,
+    use_async_batching: bool | None,
+) -> BackendChoice:
+    c = BackendChoice(requested, block_size, False, False, False, "heads-first")
+    cuda = device_type == "cuda"
+    has_flash = cuda and _importable("flash_attn")
+    has_triton = triton_runs_here(device_type)
+
+    if requested == "auto":
+        if has_flash and block_size % FLASH_BLOCK_MULTIPLE == 0:
+            c.name = "flash"
+        elif cuda and has_triton:
+            c.name = "triton"
+            if has_flash:
+                c.notes.append(f"flash-attn needs block_size % {FLASH_BLOCK_MULTIPLE} == 0 (got {block_size}); using triton")
+        else:
+            c.name = "torch"
+            if cuda:
+                c.warnings.append("no flash-attn and no Triton on this CUDA machine: the slow torch backend runs "
+                                  "(keys gathered per step, no decode fast path, no CUDA graphs)")
+    elif requested == "flash" and not has_flash:
+        c.name = "triton" if cuda and has_triton else "torch"
+        c.warnings.append(f"attention_backend='flash' needs flash-attn on CUDA; using {c.name}")
+    elif requested == "triton" and not has_triton:
+        c.name = "torch"
+        why = "triton is not installed" if not _importable("triton") else "no GPU (set TRITON_INTERPRET=1 to test)"
+        c.warnings.append(f"attention_backend='triton' cannot run: {why}; using torch")
+    if c.name == "triton" and not cuda:
+        c.notes.append("Triton runs in its CPU interpreter: correct, and very slow (for tests)")
+    if c.name == "flash":
+        c.kv_layout = "token-major"
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            c.block_size = -(-block_size // FLASH_BLOCK_MULTIPLE) * FLASH_BLOCK_MULTIPLE
+            c.warnings.append(f"block_size rounded up from {block_size} to {c.block_size}: flash-attn's paged "
+                              f"KV needs a multiple of {FLASH_BLOCK_MULTIPLE}")
+
+    fast_ok = c.name in FAST_PATH_BACKENDS
+    c.decode_fast_path = fast_ok if decode_fast_path is None else (decode_fast_path and fast_ok)
+    if decode_fast_path and not fast_ok:
+        c.warnings.append(f"decode_fast_path=True cannot run on the {c.name} backend (needs triton, flash or "
+                          "reference); decode steps gather keys instead")
+    elif not c.decode_fast_path:
+        c.notes.append("decode fast path off: decode-only steps take the varlen/gather path")
+
+    graphs_ok = cuda and c.name in GRAPH_BACKENDS
+    c.use_cuda_graph = graphs_ok if use_cuda_graph is None else (use_cuda_graph and graphs_ok)
+    if use_cuda_graph and not graphs_ok:
+        why = "no GPU" if not cuda else f"the {c.name} backend syncs with the host inside the forward"
+        c.warnings.append(f"use_cuda_graph=True cannot run: {why}; steps run eagerly")
+
+    async_ok = c.name in FLAT_BACKENDS
+    c.use_async_batching = c.use_cuda_graph if use_async_batching is None else (use_async_batching and async_ok)
+    if use_async_batching and not async_ok:
+        c.warnings.append(f"use_async_batching=True needs a flat-metadata backend {FLAT_BACKENDS}, "
+                          f"not {c.name}; steps run one after another")
+    elif c.use_async_batching and not cuda:
+        c.notes.append("async batching on the CPU keeps its carry-over pipeline but overlaps nothing")
+    return c

@@ -1,0 +1,108 @@
+"""Padding a step to a shape a CUDA graph was (or will be) captured for.
+
+A graph replays fixed kernels on fixed addresses, so a step must be padded to one of a few
+shapes: decode-only steps to a power-of-two request count (up to `max_requests_per_batch`),
+varlen steps to a multiple of `q_padding_interval_size` query tokens (and, for a backend
+whose launch takes the longest key length from the host, a multiple of
+`kv_padding_interval_size` keys). Padding rows read the read-trash block, which holds zeros,
+and write the write-trash block, which nothing reads: they cannot touch a real request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .flat_batch import FlatBatch
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Every size a captured forward depends on; equal shapes share a graph."""
+
+    decode_only: bool
+    num_tokens: int
+    num_requests: int
+    num_tiles: int  # query tiles of the varlen kernel (0 where the backend does not tile)
+    max_kv_len: int  # key-length bucket (0 where the backend does not take it from the host)
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, interval: int) -> int:
+    return -(-n // interval) * interval
+
+
+def decode_bucket(num_requests: int, max_requests: int) -> int:
+    """Powers of two, and `max_requests` itself as the last bucket when it is not one."""
+    return max(num_requests, min(next_power_of_two(num_requests), max_requests))
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    max_requests: int
+    q_interval: int
+    kv_interval: int
+    tiles_for: Callable[[int, int], int] | None  # (tokens, requests) -> tile bound, if tiled
+    kv_keyed: bool  # the backend's launch takes the key-length bound from the host
+
+    def exact(self, batch: FlatBatch) -> StepShape:
+        """No padding: the eager path runs the step as it is."""
+        t, b = batch.num_tokens, batch.num_requests
+        tiles = self.tiles_for(t, b) if self.tiles_for and not batch.decode_only else 0
+        return StepShape(batch.decode_only, t, b, tiles, batch.max_kv_len if self.kv_keyed else 0)
+
+    def padded(self, batch: FlatBatch) -> StepShape:
+        if batch.decode_only:
+            b = decode_bucket(batch.num_requests, self.max_requests)
+            return StepShape(True, b, b, 0, 0)
+        t = round_up(batch.num_tokens, self.q_interval)
+        b = min(t, self.max_requests)  # every request has a token: never more requests than tokens
+        tiles = self.tiles_for(t, b) if self.tiles_for else 0
+        kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed else 0
+        return StepShape(False, t, b, tiles, kv)
+
+
+def pad_batch(
+    batch: FlatBatch, shape: StepShape, table_width: int, trash_block: int, write_trash_slot: int
+) -> dict[str, torch.Tensor]:
+    """Host tensors of exactly `shape`: the real step first, then padding rows.
+
+    Decode padding rows are one-token requests that read one zero key from the read-trash
+    block; varlen padding requests have no query tokens (padding tokens belong to none).
+    """
+    t, b = batch.num_tokens, batch.num_requests
+    pad_t, pad_b = shape.num_tokens - t, shape.num_requests - b
+    if pad_t < 0 or pad_b < 0 or batch.block_table.shape[1] > table_width:
+        raise ValueError(f"a step of {t} tokens, {b} requests does not fit {shape} (table width {table_width})")
+
+    def extend(x: torch.Tensor, n: int, value: int) -> torch.Tensor:
+        return torch.cat([x, torch.full((n,), value, dtype=x.dtype)]) if n else x
+
+    table = torch.full((shape.num_requests, table_width), trash_block, dtype=torch.int32)
+    table[:b, : batch.block_table.shape[1]] = batch.block_table
+    if shape.decode_only:
+        cu_q = torch.arange(shape.num_requests + 1, dtype=torch.int32)
+        kv_lens = extend(batch.kv_lens, pad_b, 1)
+    else:
+        cu_q = extend(batch.cu_seqlens_q, pad_b, t)
+        kv_lens = extend(batch.kv_lens, pad_b, 0)
+    cu_k = torch.zeros(shape.num_requests + 1, dtype=torch.int32)
+    torch.cumsum(kv_lens, 0, out=cu_k[1:])
+    logits = batch.logits_indices
+    return {
+        "input_ids": extend(batch.input_ids, pad_t, 0),
+        "carry": extend(batch.carry, pad_t, -1),
+        "positions": extend(batch.positions, pad_t, 0),
+        "write_slots": extend(batch.write_slots, pad_t, write_trash_slot),
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "kv_lens": kv_lens,
+        "block_table": table,
+        # Every request row may sample: the lm-head runs over a fixed number of rows.
+        "logits_indices": extend(logits, shape.num_requests - logits.shape[0], 0),
+    }

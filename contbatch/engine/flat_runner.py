@@ -1,0 +1,266 @@
+"""Steps in the GPU layout: static I/O slots, CUDA graphs, and three streams.
+
+A step goes through three calls, so that the manager can overlap them across steps:
+`launch` copies the step's inputs to the device (host-to-device stream), fills in tokens
+still being sampled by the previous step (carry-over), and enqueues the forward (compute
+stream; a graph replay when its padded shape was seen before); `sample` enqueues token
+choice once the previous step's tokens are known on the host (penalties need them), then
+the copy back (device-to-host stream); `wait` blocks until that copy has landed.
+
+Inputs live in per-slot buffers of fixed addresses, two slots when async batching is on:
+step N+1 is written into one while step N's forward still reads the other. On a CPU the
+streams are no-ops and everything runs in call order, which is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.kernels import AttentionKernels
+from ..attention.metadata import FlatMetadata
+from ..attention.paged import ENGINE_MASK
+from ..cache.paged_cache import PagedAttentionCache
+from ..requests import RequestState
+from ..sampling.sampler import SampleRequest, SampleResult, Sampler
+from .buckets import Bucketing, StepShape, pad_batch, round_up
+from .flat_batch import FlatBatch, apply_carry
+from .graphs import GraphCache
+
+_LONG = ("input_ids", "carry", "positions", "write_slots", "logits_indices")
+_INT = ("cu_seqlens_q", "cu_seqlens_k", "kv_lens", "tile_request", "tile_start")
+
+
+class Streams:
+    """Host-to-device, compute and device-to-host streams and their events. Every CUDA
+    stream call of the runner goes through here: off CUDA they are no-ops and work runs in
+    call order (tests substitute a recorder to check the ordering on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.asynchronous = device.type == "cuda"
+        if self.asynchronous:
+            self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
+
+    def on(self, name: str):
+        return torch.cuda.stream(getattr(self, name)) if self.asynchronous else nullcontext()
+
+    def record(self, name: str, timing: bool = False):
+        if not self.asynchronous:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(getattr(self, name))
+        return event
+
+    def wait(self, name: str, event) -> None:
+        """Stream `name` runs nothing more until `event` has passed."""
+        if event is not None:
+            getattr(self, name).wait_event(event)
+
+    def synchronize(self, event) -> None:
+        """The host blocks until `event` has passed."""
+        if event is not None:
+            event.synchronize()
+
+    def elapsed(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if start is not None else 0.0
+
+    def to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Enqueue a copy to (pinned) host memory on the current (device-to-host) stream."""
+        if t is None or not self.asynchronous:
+            return t
+        t.record_stream(self.d2h)  # made on the compute stream, read here: keep it alive
+        return t.to("cpu", non_blocking=True)
+
+
+@dataclass
+class IOSlot:
+    """Fixed-address input buffers (device) with their host staging (pinned on CUDA)."""
+
+    index: int
+    device: dict[str, torch.Tensor]
+    host: dict[str, torch.Tensor]
+    tokens: torch.Tensor  # sampled tokens of the slot's last step, read by the next step's carry
+    h2d_done: object = None  # event: the staging may be rewritten once it has passed
+    compute_done: object = None  # event: the device buffers are free once it has passed
+
+    def views(self, shape: StepShape, which: str = "device") -> dict[str, torch.Tensor]:
+        bufs = getattr(self, which)
+        t, b = shape.num_tokens, shape.num_requests
+        sizes = dict.fromkeys(("input_ids", "carry", "positions", "write_slots"), t)
+        sizes.update(cu_seqlens_q=b + 1, cu_seqlens_k=b + 1, kv_lens=b, logits_indices=b, block_table=b)
+        sizes.update(tile_request=shape.num_tiles, tile_start=shape.num_tiles)
+        return {name: bufs[name][:n] for name, n in sizes.items()}
+
+
+@dataclass
+class InFlight:
+    """A launched step: what the manager needs to finish it later."""
+
+    batch: FlatBatch
+    shape: StepShape
+    slot: IOSlot
+    logits: torch.Tensor
+    computed: list[int]  # each chunk's num_computed_tokens once this step has run
+    token_index: list[int] = field(default_factory=list)  # each sampled request's reserved place
+    events: list = field(default_factory=list)  # (start, end) timing pairs on the compute stream
+    d2h_done: object = None
+    result: SampleResult | None = None
+
+
+class FlatRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedAttentionCache,
+        kernels: AttentionKernels,
+        bucketing: Bucketing,
+        max_tokens: int,
+        table_width: int,
+        num_slots: int,
+        graphs: GraphCache | None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.kernels = kernels
+        self.bucketing = bucketing
+        self.graphs = graphs
+        self.sampler = sampler or Sampler()
+        self.streams = Streams(cache.device)
+        self.table_width = table_width
+        self.max_tokens = round_up(max_tokens, bucketing.q_interval)
+        self.max_requests = bucketing.max_requests
+        self.max_tiles = kernels.max_varlen_tiles(self.max_tokens, self.max_requests) if kernels.max_varlen_tiles else 0
+        self.slots = [self._slot(i) for i in range(num_slots)]
+        self._next_slot = 0
+        self.busy_seconds = 0.0  # device time of forwards and sampling (CUDA events)
+        self.decode_seconds = 0.0
+
+    def _slot(self, index: int) -> IOSlot:
+        t, b, w = self.max_tokens, self.max_requests, self.table_width
+        sizes = {name: (t,) for name in ("input_ids", "carry", "positions", "write_slots")}
+        sizes.update(logits_indices=(b,), cu_seqlens_q=(b + 1,), cu_seqlens_k=(b + 1,), kv_lens=(b,))
+        sizes.update(block_table=(b, w), tile_request=(self.max_tiles,), tile_start=(self.max_tiles,))
+        dtype = {name: torch.long if name in _LONG else torch.int32 for name in sizes}
+        dev = self.cache.device
+        pin = dev.type == "cuda"
+        device = {n: torch.zeros(s, dtype=dtype[n], device=dev) for n, s in sizes.items()}
+        host = {n: torch.zeros(s, dtype=dtype[n], pin_memory=pin) for n, s in sizes.items()} if pin else device
+        return IOSlot(index, device, host, torch.zeros(b, dtype=torch.long, device=dev))
+
+    # -- launch --------------------------------------------------------------------------
+    def shape_of(self, batch: FlatBatch) -> StepShape:
+        return self.bucketing.padded(batch) if self.graphs is not None else self.bucketing.exact(batch)
+
+    @torch.inference_mode()
+    def launch(self, batch: FlatBatch, prev: InFlight | None) -> InFlight:
+        slot = self.slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self.slots)
+        shape = self.shape_of(batch)
+        host = pad_batch(batch, shape, self.table_width, self.cache.num_blocks, self.cache.write_trash_slot)
+        none = torch.zeros(0, dtype=torch.int32)
+        host["tile_request"], host["tile_start"] = (
+            self.kernels.varlen_tiles(host["cu_seqlens_q"], shape.num_tiles) if shape.num_tiles else (none, none)
+        )
+        self._upload(slot, shape, host)
+
+        views = slot.views(shape)
+        s = self.streams
+        with s.on("compute"):
+            s.wait("compute", slot.h2d_done)
+            start = s.record("compute", timing=True)
+            if prev is not None:
+                apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
+            logits = self._forward(slot, shape, views)
+            events = [(start, s.record("compute", timing=True))]
+        computed = [c.state.num_computed_tokens + c.num_tokens for c in batch.chunks]
+        return InFlight(batch, shape, slot, logits, computed, events=events)
+
+    def _upload(self, slot: IOSlot, shape: StepShape, host: dict[str, torch.Tensor]) -> None:
+        s = self.streams
+        if not s.asynchronous:
+            for name, view in slot.views(shape).items():
+                view.copy_(host[name])
+            return
+        s.synchronize(slot.h2d_done)  # the slot's staging is still being read otherwise
+        staging, device = slot.views(shape, "host"), slot.views(shape)
+        with s.on("h2d"):
+            s.wait("h2d", slot.compute_done)  # the slot's last forward has read its inputs
+            for name, view in staging.items():
+                view.copy_(host[name])
+                device[name].copy_(view, non_blocking=True)
+            slot.h2d_done = s.record("h2d")
+
+    def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        meta = FlatMetadata(
+            cache=self.cache,
+            kernels=self.kernels,
+            decode_only=shape.decode_only,
+            write_slots=views["write_slots"],
+            cu_seqlens_q=views["cu_seqlens_q"],
+            cu_seqlens_k=views["cu_seqlens_k"],
+            kv_lens=views["kv_lens"],
+            block_table=views["block_table"],
+            tile_request=views["tile_request"] if shape.num_tiles else None,
+            tile_start=views["tile_start"] if shape.num_tiles else None,
+            max_q_len=shape.num_tokens,
+            max_kv_len=shape.max_kv_len,
+        )
+
+        def run() -> torch.Tensor:
+            out = self.model(
+                input_ids=views["input_ids"][None],
+                position_ids=views["positions"][None],
+                attention_mask=ENGINE_MASK,
+                logits_to_keep=views["logits_indices"],
+                use_cache=False,
+                cb_meta=meta,
+            )
+            return out.logits[0]
+
+        if self.graphs is None:
+            return run()
+        key = (slot.index, shape)
+        logits = self.graphs.replay(key)
+        if logits is None:
+            logits = run()  # this step's result; it also warms up what the capture records
+            self.graphs.add(key, run)
+        return logits
+
+    # -- sample and read back ------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, step: InFlight) -> None:
+        """Enqueue token choice for a launched step: call once the previous step's tokens
+        are applied, since penalties and stop-token masks read each request's history."""
+        s = self.streams
+        states = step.batch.sampled
+        with s.on("compute"):
+            start = s.record("compute", timing=True)
+            requests = [_sample_request(st) for st in states]
+            result = self.sampler(step.logits[: len(states)], requests)
+            step.slot.tokens[: len(states)].copy_(result.tokens)
+            step.events.append((start, s.record("compute", timing=True)))
+            step.slot.compute_done = s.record("compute")
+        with s.on("d2h"):
+            s.wait("d2h", step.slot.compute_done)
+            step.result = SampleResult(*(s.to_host(t) for t in (result.tokens, *_extras(result))))
+            step.d2h_done = s.record("d2h")
+
+    def wait(self, step: InFlight) -> SampleResult:
+        s = self.streams
+        s.synchronize(step.d2h_done)
+        busy = sum(s.elapsed(a, b) for a, b in step.events)
+        self.busy_seconds += busy
+        if step.shape.decode_only:
+            self.decode_seconds += busy
+        return step.result
+
+
+def _sample_request(state: RequestState) -> SampleRequest:
+    return SampleRequest(state.params, state.prompt_ids, state.known_tokens, state.eos_token_ids)
+
+
+def _extras(result: SampleResult) -> tuple:
+    return result.logprobs, result.top_ids, result.top_logprobs

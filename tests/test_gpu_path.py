@@ -1,0 +1,307 @@
+"""The GPU path's logic, on the CPU: backend choice, buckets and padding, the graph LRU,
+carry-over, stream ordering, and greedy exactness of the flat layout (sync and async,
+padded as for graphs) through the PyTorch reference kernels."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, SamplingParams
+from contbatch.attention import backend as backend_mod
+from contbatch.attention.backend import choose_backend
+from contbatch.engine.buckets import Bucketing, StepShape, decode_bucket, pad_batch
+from contbatch.engine.flat_batch import apply_carry, build_flat_batch
+from contbatch.engine.flat_runner import Streams
+from contbatch.engine.graphs import GraphCache, eager_capture
+from contbatch.requests import PLACEHOLDER, RequestState
+from contbatch.scheduling.scheduler import ScheduledChunk, StepPlan
+
+from conftest import random_prompts, reference_generate
+
+
+# -- backend choice ----------------------------------------------------------------------
+def test_cpu_defaults_to_torch_with_nothing_claimed():
+    c = choose_backend("auto", "cpu", 256, None, None, None)
+    assert (c.name, c.decode_fast_path, c.use_cuda_graph, c.use_async_batching) == ("torch", False, False, False)
+    assert not c.warnings
+
+
+def test_impossible_requests_are_warnings_and_resolved_off(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    c = choose_backend("triton", "cpu", 16, True, True, True)
+    assert c.name == "torch" and not (c.decode_fast_path or c.use_cuda_graph or c.use_async_batching)
+    text = " ".join(c.warnings)
+    for what in ("attention_backend='triton'", "decode_fast_path=True", "use_cuda_graph=True", "use_async_batching=True"):
+        assert what in text
+    assert "flash-attn" in " ".join(choose_backend("flash", "cpu", 256, None, None, None).warnings)
+
+
+def test_cuda_auto_choice(monkeypatch):
+    monkeypatch.setattr(backend_mod, "_importable", lambda name: name == "triton")
+    c = choose_backend("auto", "cuda", 16, None, None, None)
+    assert (c.name, c.decode_fast_path, c.use_cuda_graph, c.use_async_batching) == ("triton", True, True, True)
+    assert c.kv_layout == "heads-first" and not c.warnings
+    off = choose_backend("auto", "cuda", 16, False, False, None)
+    assert not off.decode_fast_path and not off.use_cuda_graph and not off.use_async_batching
+
+    monkeypatch.setattr(backend_mod, "_importable", lambda name: True)
+    flash = choose_backend("auto", "cuda", 256, None, None, None)
+    assert flash.name == "flash" and flash.kv_layout == "token-major"
+    assert choose_backend("auto", "cuda", 16, None, None, None).name == "triton"  # flash cannot take 16
+    rounded = choose_backend("flash", "cuda", 100, None, None, None)
+    assert rounded.block_size == 256 and "rounded up from 100 to 256" in rounded.warnings[0]
+
+
+def test_manager_logs_warnings_at_start_and_reports_them(llama_model, caplog):
+    config = ContinuousBatchingConfig(block_size=4, use_cuda_graph=True, decode_fast_path=True)
+    manager = ContinuousBatchingManager(llama_model, config=config)
+    r = manager.resolved_config
+    assert r.attention_backend == "torch" and not r.use_cuda_graph and not r.decode_fast_path
+    assert len(r.warnings) == 2
+    with caplog.at_level(logging.WARNING, logger="contbatch"):
+        manager.start()
+        manager.stop()
+    assert sum("use_cuda_graph=True" in m or "decode_fast_path=True" in m for m in caplog.messages) == 2
+
+
+# -- buckets, padding, graph LRU ---------------------------------------------------------
+def test_decode_buckets_are_powers_of_two_capped():
+    assert [decode_bucket(n, 48) for n in (1, 2, 3, 5, 16, 17, 33, 48)] == [1, 2, 4, 8, 16, 32, 48, 48]
+    assert decode_bucket(64, 64) == 64
+
+
+def _state(rid: str, tokens: list[int], computed: int) -> RequestState:
+    state = RequestState(rid, tokens, max_new_tokens=8)
+    state.num_computed_tokens = computed
+    return state
+
+
+def _plan(*specs) -> StepPlan:
+    return StepPlan(chunks=[ScheduledChunk(_state(rid, toks, comp), n) for rid, toks, comp, n in specs])
+
+
+def test_flat_batch_and_padding_point_padding_at_trash():
+    bs = 4
+    plan = _plan(("a", [5, 6, 7, 8, 9], 4, 1), ("b", [1, 2, 3], 0, 3))
+    batch = build_flat_batch(plan, [[3, 7], [2]], bs)
+    assert batch.input_ids.tolist() == [9, 1, 2, 3]
+    assert batch.positions.tolist() == [4, 0, 1, 2]
+    assert batch.write_slots.tolist() == [7 * bs + 0, 2 * bs, 2 * bs + 1, 2 * bs + 2]
+    assert batch.cu_seqlens_q.tolist() == [0, 1, 4] and batch.kv_lens.tolist() == [5, 3]
+    assert batch.logits_indices.tolist() == [0, 3] and not batch.decode_only
+
+    bucketing = Bucketing(max_requests=16, q_interval=8, kv_interval=32, tiles_for=lambda t, b: t // 4 + b, kv_keyed=True)
+    shape = bucketing.padded(batch)
+    assert shape == StepShape(False, 8, 8, 10, 32)
+    padded = pad_batch(batch, shape, table_width=3, trash_block=10, write_trash_slot=11 * bs)
+    assert padded["write_slots"].tolist()[4:] == [11 * bs] * 4
+    assert padded["cu_seqlens_q"].tolist() == [0, 1, 4] + [4] * 6  # padding requests own no tokens
+    assert padded["kv_lens"].tolist() == [5, 3] + [0] * 6
+    assert padded["block_table"][0].tolist() == [3, 7, 10] and padded["block_table"][5].tolist() == [10, 10, 10]
+    assert padded["cu_seqlens_k"].tolist() == [0, 5, 8] + [8] * 6
+    assert bucketing.exact(batch) == StepShape(False, 4, 2, 3, 5)
+
+    decode = build_flat_batch(_plan(("a", [5, 6, 7], 2, 1), ("b", [1, 2], 1, 1), ("c", [4], 0, 1)), [[1], [2], [3]], bs)
+    dshape = bucketing.padded(decode)
+    assert dshape == StepShape(True, 4, 4, 0, 0)
+    padded = pad_batch(decode, dshape, 2, trash_block=10, write_trash_slot=44)
+    assert padded["kv_lens"].tolist() == [3, 2, 1, 1]  # one zero key from the read-trash block
+    assert padded["block_table"][3].tolist() == [10, 10] and padded["write_slots"][3] == 44
+    with pytest.raises(ValueError):
+        pad_batch(decode, StepShape(True, 2, 2, 0, 0), 2, 10, 44)
+
+
+def test_graph_cache_lru_shares_one_pool():
+    runs: list[str] = []
+    cache = GraphCache(2, eager_capture, pool="pool")
+
+    def runner(name):
+        def run():
+            runs.append(name)
+            return torch.tensor([float(len(runs))])
+        return run
+
+    cache.add("a", runner("a"))
+    cache.add("b", runner("b"))
+    assert cache.replay("a").item() == 3.0  # replays write into the captured output
+    cache.add("c", runner("c"))  # evicts b, the least recently used
+    assert cache.keys() == ["a", "c"] and cache.replay("b") is None
+    assert (cache.captures, cache.replays, cache.evictions) == (3, 1, 1) and cache.pool == "pool"
+    with pytest.raises(ValueError):
+        GraphCache(0, eager_capture)
+
+
+# -- carry-over --------------------------------------------------------------------------
+def test_carry_over_fills_placeholders_from_the_step_in_flight():
+    a = _state("a", [5, 6], 2)
+    a.reserve_token()  # sampled by the step in flight: not known on the host yet
+    b = _state("b", [1, 2, 3], 0)
+    plan = StepPlan(chunks=[ScheduledChunk(a, 1), ScheduledChunk(b, 3)])
+    batch = build_flat_batch(plan, [[0], [1]], 4, prev_rows={"a": 2})
+    assert batch.input_ids.tolist() == [0, 1, 2, 3] and batch.carry.tolist() == [2, -1, -1, -1]
+    ids = batch.input_ids.clone()
+    apply_carry(ids, batch.carry, torch.tensor([40, 41, 42]))
+    assert ids.tolist() == [42, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="placeholder"):
+        build_flat_batch(plan, [[0], [1]], 4, prev_rows={})
+
+
+def test_placeholders_stay_internal():
+    s = RequestState("r", [1, 2], max_new_tokens=3, eos_token_ids=frozenset({9}))
+    first, second = s.reserve_token(), s.reserve_token()
+    assert s.all_token_ids == [1, 2, PLACEHOLDER, PLACEHOLDER] and s.known_tokens == []
+    assert s.to_output().generated_tokens == []
+    s.set_token(first, 9)  # a stop token: the later placeholder is dropped with it
+    assert s.status == RequestStatus.FINISHED and s.generated_tokens == [9] and s.all_token_ids == [1, 2, 9]
+    assert second == 1
+
+
+# -- the flat layout end to end ------------------------------------------------------------
+class RecordingStreams(Streams):
+    """Streams that log what they are asked, so the ordering is checkable without a GPU."""
+
+    def __init__(self) -> None:
+        self.asynchronous = True
+        self.log: list[tuple] = []
+        self._events = 0
+
+    @contextmanager
+    def on(self, name):
+        yield
+
+    def record(self, name, timing=False):
+        self._events += 1
+        self.log.append(("record", name, self._events))
+        return self._events
+
+    def wait(self, name, event):
+        if event is not None:
+            self.log.append(("wait", name, event))
+
+    def synchronize(self, event):
+        if event is not None:
+            self.log.append(("sync", "host", event))
+
+    def elapsed(self, start, end):
+        return 0.0
+
+    def to_host(self, t):
+        return t
+
+
+def _flat_run(model, prompts, max_new, config, graphs=False, streams=None, eos=None, params=None, cancel=None):
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
+    manager = ContinuousBatchingManager(model, gc, config)
+    manager.start()
+    try:
+        if graphs:  # the padded, fixed-buffer path of CUDA graphs, replayed eagerly
+            manager._graphs = manager._flat.graphs = GraphCache(3, eager_capture)
+        if streams is not None:
+            manager._flat.streams = streams
+        ids = manager.add_requests(prompts, sampling_params=params)
+        if cancel is not None:
+            manager.cancel_request(ids[cancel])
+        outs = [manager.get_result(rid, timeout=120) for rid in ids]
+        stats = manager.stats()
+        bm = manager.cache.block_manager
+        idle = bm.num_free_blocks  # cached blocks included: nobody holds a reference
+    finally:
+        manager.stop()
+    assert idle == bm.num_blocks, "blocks leaked"
+    return outs, stats
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_flat_layout_is_exact(tiny_model, use_async, graphs):
+    """Chunked prefill, decode fast path and varlen steps, padded to graph buckets or not,
+    with carry-over or not: token-identical to `model.generate`."""
+    prompts = random_prompts(16, 1, 50, seed=31)
+    config = ContinuousBatchingConfig(
+        block_size=4, max_batch_tokens=40, attention_backend="reference", use_async_batching=use_async,
+        q_padding_interval_size=16,
+    )
+    outs, stats = _flat_run(tiny_model, prompts, 9, config, graphs=graphs)
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(tiny_model, prompt, 9)
+    assert stats["decode_only_steps"] > 0
+    if graphs:
+        assert stats["graph_captures"] > 3 and stats["graph_replays"] > 0  # evictions happened too
+
+
+def test_async_early_stops_and_pressure_stay_exact(llama_model):
+    """Requests that stop on a token in step N were already planned into N+1; under KV
+    pressure (offload and soft reset) and with shared prefixes, nobody's cache is hurt."""
+    shared = random_prompts(1, 12, 12, seed=41)[0]
+    prompts = [shared + p for p in random_prompts(14, 1, 20, seed=42)] + random_prompts(6, 5, 30, seed=43)
+    probe = [reference_generate(llama_model, p, 12) for p in prompts]
+    eos = max({t for out in probe for t in out[2:8]}, key=lambda t: sum(t in o[2:8] for o in probe))
+    for offload in (0.0, 1.0):
+        config = ContinuousBatchingConfig(
+            block_size=4, num_blocks=24, max_batch_tokens=32, attention_backend="reference",
+            use_async_batching=True, safety_margin=0.0, cpu_offload_space=offload,
+        )
+        outs, stats = _flat_run(llama_model, prompts, 12, config, graphs=True, eos=eos)
+        assert stats["offloads"] + stats["soft_resets"] > 0
+        stopped = 0
+        for prompt, out in zip(prompts, outs):
+            assert out.generated_tokens == reference_generate(llama_model, prompt, 12, eos)
+            stopped += out.finish_reason == "stop"
+        assert stopped >= 3
+
+
+def test_async_sampling_matches_sync(llama_model):
+    """Seeded sampling with penalties reads each request's history: with carry-over the
+    history is complete by the time a step samples, so tokens equal the synchronous run."""
+    prompts = random_prompts(8, 3, 20, seed=44)
+    params = [SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3, seed=i) for i in range(8)]
+    runs = []
+    for use_async in (False, True):
+        config = ContinuousBatchingConfig(block_size=4, attention_backend="reference", use_async_batching=use_async)
+        outs, _ = _flat_run(llama_model, prompts, 10, config, params=params)
+        runs.append([o.generated_tokens for o in outs])
+    assert runs[0] == runs[1]
+
+
+def test_async_cancel_in_flight(llama_model):
+    prompts = random_prompts(6, 5, 20, seed=45)
+    config = ContinuousBatchingConfig(block_size=4, attention_backend="reference", use_async_batching=True)
+    outs, _ = _flat_run(llama_model, prompts, 30, config, cancel=2)
+    assert outs[2].status == RequestStatus.CANCELLED and PLACEHOLDER not in outs[2].generated_tokens
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i != 2:
+            assert out.generated_tokens == reference_generate(llama_model, prompt, 30)
+
+
+def test_stream_ordering(llama_model):
+    """Each step: inputs copied on the h2d stream, the forward waits for them, the copy back
+    waits for sampling; a slot's inputs are rewritten only after its last forward (two
+    slots: step k waits for step k-2), and the host waits for every copy it reads."""
+    streams = RecordingStreams()
+    prompts = random_prompts(5, 3, 12, seed=46)
+    config = ContinuousBatchingConfig(block_size=4, attention_backend="reference", use_async_batching=True)
+    outs, _ = _flat_run(llama_model, prompts, 6, config, graphs=True, streams=streams)
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 6)
+    recorded: dict[int, str] = {}
+    h2d, compute_done = [], []
+    for kind, stream, event in streams.log:
+        if kind == "record":
+            recorded[event] = stream
+            if stream == "h2d":
+                h2d.append(event)
+        else:
+            assert event in recorded, f"{kind} on event {event} before it was recorded"
+            if kind == "wait" and stream == "compute":
+                assert recorded[event] == "h2d" and event == h2d[-1]  # this step's own inputs
+            if kind == "wait" and stream == "d2h":
+                assert recorded[event] == "compute"
+                compute_done.append(event)
+            if kind == "wait" and stream == "h2d":
+                assert compute_done.index(event) == len(compute_done) - 2  # two slots: step k-2
+    assert len(h2d) > 4 and len(compute_done) == len(h2d)
