@@ -16,31 +16,29 @@ Exit status: 0, or 1 if any exactness case failed or any part crashed (after eve
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import contbatch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_check_models as M  # noqa: E402
-import gpu_check_report as R  # noqa: E402
-import gpu_check_runs as X  # noqa: E402
+import gpu_check_report as R  # noqa: E402  (first: its clock starts the log's timestamps)
+from gpu_check_report import PART_FILE, T0, Report, log  # noqa: E402
+
+# torch, transformers, contbatch and the helpers that use them: imported in load(), so that
+# `--merge` (run after both parts) starts in a fraction of a second.
+torch = transformers = M = X = None
+
+
+def load() -> None:
+    global torch, transformers, M, X
+    import torch
+    import transformers
+
+    import gpu_check_models as M
+    import gpu_check_runs as X
 
 FULL = dict(exact_n=12, exact_lo=5, exact_hi=200, exact_new=24, exact_mbt=64, exact_blocks=(16, 256),
             tp_requests=(64, 256), tp_prompt=512, tp_new=256, tp_mbt=8192, warm_n=8, warm_prompt=64, warm_new=16,
@@ -50,63 +48,11 @@ SMOKE = dict(exact_n=4, exact_lo=5, exact_hi=40, exact_new=6, exact_mbt=16, exac
              tp_requests=(4, 8), tp_prompt=32, tp_new=8, tp_mbt=256, warm_n=2, warm_prompt=8, warm_new=2,
              bw_bytes=64 * 2**20, exact_budget_s=100, tp_budget_s=60, exact_run_s=30, cb_run_s=30, tf_run_s=30,
              min_left_s=5)
-PART_FILE = "gpu_part_{}.json"  # one per part when gpu_check.sh runs the parts as separate processes
-
-
-class Report:
-    def __init__(self, out_dir: Path, smoke: bool, sizes: dict, json_name: str = "gpu_results.json") -> None:
-        self.out_dir, self.json_name = out_dir, json_name
-        self.data: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
-                           "sizes": {k: v for k, v in sizes.items()}, "errors": [],
-                           "status_line": "did not finish (killed or crashed)"}
-        self.failed = False
-
-    def error(self, where: str, exc: BaseException) -> None:
-        self.failed = True
-        self.data["errors"].append(f"{where}: {exc!r}")
-        log(f"ERROR in {where}: {exc!r}\n{traceback.format_exc()}")
-
-    def write(self) -> None:
-        """Atomic rewrite after every run: a timeout or kill keeps everything measured so far."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.data["failed"] = self.failed
-        files = [(self.json_name, json.dumps(self.data, indent=1, default=str))]
-        if self.json_name == "gpu_results.json":
-            files.append(("gpu_results.md", R.markdown(self.data)))
-        for name, text in files:
-            tmp = self.out_dir / (name + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(self.out_dir / name)
 
 
 def left(s: dict) -> float:
     """Seconds left in the running part's budget."""
     return s["part_end"] - time.time()
-
-
-def env_info(device: str) -> dict:
-    import importlib.metadata as md
-    import importlib.util
-
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "transformers_path": str(Path(transformers.__file__).parent), "device": device,
-            "flash_attn": importlib.util.find_spec("flash_attn") is not None}
-    for pkg in ("triton", "tokenizers", "huggingface_hub", "safetensors"):
-        try:
-            info[pkg] = md.version(pkg)
-        except Exception:  # noqa: BLE001
-            info[pkg] = None
-    # `import contbatch` must not pull in the server stack (fastapi etc. are not on the GPU machine).
-    info["contbatch_server_modules_imported"] = sorted(m for m in sys.modules if m.startswith("contbatch.server"))
-    info["fastapi_imported"] = "fastapi" in sys.modules
-    if device.startswith("cuda"):
-        info["device_name"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    else:
-        info["device_name"] = f"CPU ({os.cpu_count()} cores)"
-    return info
 
 
 def exact_combos(flat: str) -> list[dict]:
@@ -126,6 +72,31 @@ def config_mismatch(requested: dict, block_size: int, resolved: dict) -> list[st
     return diffs
 
 
+def judge(row: dict, r: dict, req: dict, bs: int, ref: list, margins: list, prompts: list, cuda: bool) -> None:
+    """PASS: every prompt's tokens equal the reference, no request failed, and (on the GPU) what
+    ran is what was asked for; a fallback off the GPU is expected and only noted."""
+    row.update(resolved=r["resolved"], stats=r["stats"], wall_s=r["e2e_s"])
+    equal = [a == b for a, b in zip(r["tokens"], ref)]
+    row["matched"] = sum(equal)
+    bad = [i for i, ok in enumerate(equal) if not ok]
+    if bad:
+        i, got = bad[0], r["tokens"][bad[0]]
+        pos = next((j for j, (a, b) in enumerate(zip(got, ref[i])) if a != b), min(len(got), len(ref[i])))
+        m = margins[i][pos] if pos < len(margins[i]) else None
+        row["notes"].append(f"prompts {bad} differ; prompt {i} (len {len(prompts[i])}) first at token {pos} "
+                            f"(reference top-2 logit margin there: {'-' if m is None else format(m, '.2e')})")
+    row["notes"] += r["errors"]
+    mismatch = config_mismatch(req, bs, r["resolved"])
+    if mismatch:
+        row["notes"].append(("NOT AS REQUESTED: " if cuda else "fallback (expected off-GPU): ") + "; ".join(mismatch))
+    row["notes"] += [f"warning: {w}" for w in r["resolved"].get("warnings", [])]
+    if r["resolved"].get("use_cuda_graph") and cuda and not r["stats"].get("graph_replays"):
+        row["notes"].append("graphs on but no replay counted"
+                            + (" (stat missing)" if "graph_replays" in r["missing_stats"] else ""))
+    ok = row["matched"] == len(prompts) and not r["errors"] and not (cuda and mismatch)
+    row["status"] = "PASS" if ok else "FAIL"
+
+
 def part_exactness(args, s: dict, rep: Report) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true float32
     torch.backends.cudnn.allow_tf32 = False
@@ -142,53 +113,35 @@ def part_exactness(args, s: dict, rep: Report) -> None:
         low = min(min(m) for m in margins)
         log(f"exactness: reference for {name}: {sum(map(len, ref))} tokens, smallest top-2 logit margin {low:.2e}")
         cases[name] = (model, prompts, ref, margins)
+    stuck = False
     for bs in s["exact_blocks"]:
         for name, (model, prompts, ref, margins) in cases.items():
             for req in exact_combos(args.flat_backend):
                 row = {"model": name, "block_size": bs, "requested": req, "n_prompts": len(prompts), "notes": []}
                 rows.append(row)
-                if left(s) < 5:
+                if left(s) < 5 or stuck:
                     row["status"] = "SKIPPED"
-                    row["notes"].append("exactness time budget spent")
+                    row["notes"].append("a timed-out run is still on the device" if stuck else "time budget spent")
                     continue
                 nb = X.blocks_needed(prompts, s["exact_new"], bs) + 8
                 try:
-                    r = X.run_contbatch(model, prompts, s["exact_new"], args.device, min(s["exact_run_s"], left(s)), block_size=bs,
-                                        max_batch_tokens=s["exact_mbt"], num_blocks=nb, **req)
+                    r = X.run_contbatch(model, prompts, s["exact_new"], args.device, min(s["exact_run_s"], left(s)),
+                                        block_size=bs, max_batch_tokens=s["exact_mbt"], num_blocks=nb, **req)
                 except Exception as e:  # noqa: BLE001
                     row.update(status="ERROR", notes=[repr(e)[:300]])
                     log(f"exactness {name} bs={bs} {req}: ERROR {e!r}")
-                    if isinstance(e, X.RunTimeout):
-                        row["notes"].append("later runs may share the device with the stuck one")
+                    stuck = isinstance(e, X.RunTimeout) and e.still_running
                     rep.write()
+                    X.free_memory(args.device)
                     continue
-                row.update(resolved=r["resolved"], stats=r["stats"], wall_s=r["e2e_s"])
-                equal = [a == b for a, b in zip(r["tokens"], ref)]
-                row["matched"] = sum(equal)
-                for i, ok in enumerate(equal):
-                    if not ok:
-                        got = r["tokens"][i]
-                        pos = next((j for j, (a, b) in enumerate(zip(got, ref[i])) if a != b), min(len(got), len(ref[i])))
-                        m = margins[i][pos] if pos < len(margins[i]) else None
-                        row["notes"].append(f"prompt {i} (len {len(prompts[i])}) first differs at token {pos} "
-                                            f"(ref top-2 margin {m if m is None else format(m, '.2e')})")
-                        break
-                row["notes"] += r["errors"]
-                mismatch = config_mismatch(req, bs, r["resolved"])
-                cuda = args.device.startswith("cuda")
-                if mismatch:
-                    row["notes"].append(("NOT AS REQUESTED: " if cuda else "fallback (expected off-GPU): ") + "; ".join(mismatch))
-                row["notes"] += [f"warning: {w}" for w in r["resolved"].get("warnings", [])]
-                if r["resolved"].get("use_cuda_graph") and cuda and not r["stats"].get("graph_replays"):
-                    row["notes"].append("graphs on but no replay counted" + (" (stat missing)" if "graph_replays" in r["missing_stats"] else ""))
-                ok = row["matched"] == len(prompts) and not r["errors"] and not (cuda and mismatch)
-                row["status"] = "PASS" if ok else "FAIL"
+                judge(row, r, req, bs, ref, margins, prompts, args.device.startswith("cuda"))
                 v = r["resolved"]
                 log(f"exactness {name:9} bs={bs:3} {req} -> {row['status']} {row['matched']}/{len(prompts)} "
                     f"ran {v['attention_backend']} fast={v['decode_fast_path']} graphs={v['use_cuda_graph']} "
                     f"async={v['use_async_batching']} layout={v['kv_layout']} ({r['e2e_s']:.1f}s)"
                     + ("".join(f"\n    {n}" for n in row["notes"]) if row["notes"] else ""))
                 rep.write()
+                X.free_memory(args.device)
     del cases
     X.free_memory(args.device)
     counts = {k: sum(r["status"] == k for r in rows) for k in ("PASS", "FAIL", "ERROR", "SKIPPED")}
@@ -201,8 +154,8 @@ def part_exactness(args, s: dict, rep: Report) -> None:
 def update_ratios(rows: list[dict]) -> None:
     """Every contbatch row against the transformers row of the same model and request count."""
     for x in rows:
-        tf = next((t for t in rows if t["system"] == "tf" and t["model"] == x["model"] and t["requests"] == x["requests"]
-                   and t.get("tok_s_e2e")), None)
+        tf = next((t for t in rows if t["system"] == "tf" and t["model"] == x["model"]
+                   and t["requests"] == x["requests"] and t.get("tok_s_e2e")), None)
         if x["system"].startswith("contbatch") and x.get("tok_s_e2e") and tf:
             x["vs_tf_e2e"] = x["tok_s_e2e"] / tf["tok_s_e2e"]
             x["vs_tf_gen"] = x["tok_s_gen"] / tf["tok_s_gen"] if x.get("tok_s_gen") and tf.get("tok_s_gen") else None
@@ -216,7 +169,8 @@ def part_throughput(args, s: dict, rep: Report) -> None:
     for name in ("llama1b", "smollm2"):
         log(f"throughput: building {M.LABELS[name]} in bf16 ({M.describe_config(name, args.smoke)})")
         model = M.build_model(name, dtype, args.device, args.smoke, seed=3)
-        nbytes = {"weight_bytes": M.weight_bytes_per_decode_step(model), "kv_bytes_per_token": M.kv_bytes_per_token(model)}
+        nbytes = {"weight_bytes": M.weight_bytes_per_decode_step(model),
+                  "kv_bytes_per_token": M.kv_bytes_per_token(model)}
         tp["params"][name] = M.n_params(model)
         log(f"throughput: {name}: {M.n_params(model) / 1e9:.3f}B parameters, {nbytes['weight_bytes'] / 1e9:.3f} GB "
             f"read per decode step, {nbytes['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token")
@@ -241,7 +195,7 @@ def part_throughput(args, s: dict, rep: Report) -> None:
                 log(f"warm-up {name} {system}: {r['e2e_s']:.1f}s")
             except Exception as e:  # noqa: BLE001
                 rep.error(f"warm-up {name} {system}", e)
-                if isinstance(e, X.RunTimeout):
+                if isinstance(e, X.RunTimeout) and e.still_running:
                     return
             X.free_memory(args.device)
     r64, r256 = s["tp_requests"]
@@ -258,27 +212,34 @@ def part_throughput(args, s: dict, rep: Report) -> None:
         rows.append(row)
         budget = min(s["tf_run_s"] if extra is None else s["cb_run_s"], left(s) - 5)
         if stuck or budget < s["min_left_s"]:
-            row.update(status="SKIPPED", notes=["a previous run is still on the device" if stuck else "time budget spent"])
+            why = "a previous run is still on the device" if stuck else "time budget spent"
+            row.update(status="SKIPPED", notes=[why])
             rep.write()
             continue
         prompts = X.random_prompts(n, plen, plen, model.config.vocab_size, seed=10 + n)
+        # At 64 requests a second batch follows in the same manager: part 3's steady-state numbers.
+        second = X.random_prompts(n, plen, plen, model.config.vocab_size, seed=20 + n) if n == r64 else None
         try:
             if extra is None:
                 r = X.run_transformers_cb(model, prompts, new, args.device, budget, mbt, cache_blocks(n))
                 row["notes"].append(r["attn"])
             else:
-                r = X.run_contbatch(model, prompts, new, args.device, budget, max_batch_tokens=mbt,
+                r = X.run_contbatch(model, prompts, new, args.device, budget, second=second, max_batch_tokens=mbt,
                                     num_blocks=cache_blocks(n), **base, **extra)
                 v = r["resolved"]
-                row.update(stats=r["stats"], missing_stats=r["missing_stats"], resolved=v)
-                row["notes"].append(f"ran {v['attention_backend']} fast={v['decode_fast_path']} graphs={v['use_cuda_graph']} "
-                                    f"async={v['use_async_batching']} blocks={v['num_blocks']}x{v['block_size']} "
+                row.update(stats=r["stats"], missing_stats=r["missing_stats"], resolved=v, warm=r["warm"])
+                if r["warm"] and (r["warm"]["errors"] or r["warm"]["output_tokens"] != n * new):
+                    row["notes"].append(f"second batch: {r['warm']['output_tokens']} of {n * new} tokens; "
+                                        + "; ".join(r["warm"]["errors"])[:200])
+                row["notes"].append(f"ran {v['attention_backend']} fast={v['decode_fast_path']} "
+                                    f"graphs={v['use_cuda_graph']} async={v['use_async_batching']} "
+                                    f"blocks={v['num_blocks']}x{v['block_size']} "
                                     f"mbt={v['max_batch_tokens']} steps={int(r['stats']['steps'])}")
                 row["notes"] += [f"warning: {w}" for w in v.get("warnings", [])]
         except Exception as e:  # noqa: BLE001
             row.update(status="ERROR", notes=[repr(e)[:300]])
             log(f"throughput {name} n={n} {system}: ERROR {e!r}")
-            stuck = isinstance(e, X.RunTimeout)
+            stuck = isinstance(e, X.RunTimeout) and e.still_running
             rep.failed = True
             rep.write()
             X.free_memory(args.device)
@@ -291,47 +252,21 @@ def part_throughput(args, s: dict, rep: Report) -> None:
         if row["status"] != "ok":
             row["notes"].append(f"{r['output_tokens']} of {expected} tokens; {'; '.join(r['errors'])[:200]}")
         if extra is not None:
-            row["decode"] = R.decode_floor(row, (rep.data.get("bandwidth") or {}).get("bytes_per_s"))
+            bw = (rep.data.get("bandwidth") or {}).get("bytes_per_s")
+            row["decode"] = R.decode_floor(row, bw)
+            if row.get("warm"):
+                row["decode_warm"] = R.decode_floor({**row, "stats": row["warm"]["stats"],
+                                                     "gen_s": row["warm"]["gen_s"]}, bw)
         update_ratios(rows)
-        d = row.get("decode") or {}
+        d = row.get("decode_warm") or row.get("decode") or {}
         log(f"throughput {name} n={n} {system}: {row['status']} e2e {r['e2e_s']:.2f}s ({row['tok_s_e2e']:.0f} tok/s), "
             f"gen {R._f(r['gen_s'])}s ({R._f(row['tok_s_gen'], '.0f')} tok/s)"
             + (f", vs tf {row['vs_tf_e2e']:.2f}x e2e" if row.get("vs_tf_e2e") else "")
-            + (f", decode step {d['step_s'] * 1e3:.3f} ms, floor/step {R._f(d.get('floor_over_step'))}" if d.get("step_s") else "")
+            + (f", decode step {d['step_s'] * 1e3:.3f} ms, floor/step {R._f(d.get('floor_over_step'))}"
+               if d.get("step_s") else "")
             + (f", busy {R._f(d.get('busy_fraction'), '.1%')}" if d else "") + f"; {'; '.join(row['notes'])}")
         rep.write()
         X.free_memory(args.device)
-
-
-def merge(out_dir: Path) -> int:
-    """Combine the parts' JSON files (written by separate processes, so that a crashed kernel or a
-    poisoned CUDA context in one part cannot take the other down) into gpu_results.{json,md}."""
-    data: dict = {"errors": []}
-    failed = False
-    for part, keys in (("exact", ("exactness", "exact_init_range")), ("throughput", ("throughput", "bandwidth"))):
-        path = out_dir / PART_FILE.format(part)
-        if not path.exists():
-            failed = True
-            data["errors"].append(f"part {part}: no results ({path.name} missing: crashed at start-up or not run; see the log)")
-            continue
-        d = json.loads(path.read_text())
-        for k, v in d.items():
-            if k in keys or (k not in ("errors", "status_line", "failed", "exactness", "throughput", "bandwidth")
-                             and k not in data):
-                data[k] = v
-        data["errors"] += [f"part {part}: {e}" for e in d.get("errors", [])]
-        status = d.get("status_line", "")
-        failed |= bool(d.get("failed")) or not status.startswith("finished")
-        if not status.startswith("finished"):
-            data["errors"].append(f"part {part}: {status}")
-    data["failed"] = failed
-    data["status_line"] = "SOME CHECKS FAILED OR DID NOT FINISH" if failed else "all checks passed"
-    (out_dir / "gpu_results.json").write_text(json.dumps(data, indent=1, default=str))
-    md = R.markdown(data)
-    (out_dir / "gpu_results.md").write_text(md)
-    print("\n" + md, flush=True)
-    log(f"merged into {out_dir / 'gpu_results.md'} and gpu_results.json; {data['status_line']}")
-    return 1 if failed else 0
 
 
 def main() -> int:
@@ -346,7 +281,8 @@ def main() -> int:
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
     args = p.parse_args()
     if args.merge:
-        return merge(args.out_dir)
+        return R.merge(args.out_dir)
+    load()
     s = dict(SMOKE if args.smoke else FULL)
     for k in ("exact_budget_s", "tp_budget_s"):
         s[k] *= args.budget_scale
@@ -365,7 +301,10 @@ def main() -> int:
         os._exit(124)
 
     signal.signal(signal.SIGTERM, on_term)
-    rep.data["env"] = env_info(args.device)
+    if args.smoke:
+        R.selftest()
+        log("decode-floor arithmetic self-test passed")
+    rep.data["env"] = X.env_info(args.device)
     rep.data["models"] = {n: M.describe_config(n, args.smoke) for n in ("smollm2", "llama1b", "qwen3tiny")}
     rep.data["smollm2_config_check"] = M.check_smollm2_config()
     log("env: " + json.dumps(rep.data["env"]))

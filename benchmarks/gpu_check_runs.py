@@ -4,10 +4,13 @@ greedy reference, the copy bandwidth, and a deadline around each of them."""
 from __future__ import annotations
 
 import gc
+import os
 import random
+import sys
 import threading
 import time
 from math import ceil
+from pathlib import Path
 
 import torch
 import transformers
@@ -23,7 +26,11 @@ RESOLVED_KEYS = ("attention_backend", "decode_fast_path", "use_cuda_graph", "use
 
 
 class RunTimeout(RuntimeError):
-    """A run outlived its deadline; its thread may still be using the device."""
+    """A run outlived its deadline; `still_running`: its thread may still be using the device."""
+
+    def __init__(self, msg: str, still_running: bool) -> None:
+        super().__init__(msg)
+        self.still_running = still_running
 
 
 def with_deadline(fn, seconds: float, on_timeout=None):
@@ -39,7 +46,8 @@ def with_deadline(fn, seconds: float, on_timeout=None):
 
     t = threading.Thread(target=target, name="gpu-check-run", daemon=True)
     t.start()
-    t.join(max(1.0, seconds))
+    seconds = max(1.0, seconds)
+    t.join(seconds)
     if t.is_alive():
         if on_timeout is not None:
             try:
@@ -47,7 +55,8 @@ def with_deadline(fn, seconds: float, on_timeout=None):
             except Exception:  # noqa: BLE001 - best effort
                 pass
         t.join(15)
-        raise RunTimeout(f"run exceeded its {seconds:.0f} s budget" + (" (thread still running)" if t.is_alive() else ""))
+        alive = t.is_alive()
+        raise RunTimeout(f"run exceeded its {seconds:.0f} s budget" + (" (thread still running)" if alive else ""), alive)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -123,54 +132,83 @@ def blocks_needed(prompts: list[list[int]], new_tokens: int, block_size: int) ->
     return sum(ceil((len(p) + new_tokens) / block_size) for p in prompts)
 
 
-def run_contbatch(model, prompts: list[list[int]], new_tokens: int, device: str, budget_s: float, **cfg_kwargs) -> dict:
-    """One engine run through the manager (what contbatch.generate_batch does, plus stats):
-    e2e wall includes the manager's start-up and shutdown, gen wall is first add -> last result."""
+STAT_KEYS = ("steps", "step_seconds", "forward_seconds", *GPU_STAT_KEYS)
+
+
+def _stats(st: dict) -> dict:
+    return {k: st.get(k, 0.0) for k in STAT_KEYS}
+
+
+def run_contbatch(model, prompts: list[list[int]], new_tokens: int, device: str, budget_s: float,
+                  second: list[list[int]] | None = None, **cfg_kwargs) -> dict:
+    """One engine run through the manager (what contbatch.generate_batch does, plus stats).
+    e2e wall: the manager's start-up, the batch, and its shutdown; gen wall: first add -> last result.
+    With `second` (prompts of the same shapes, no shared prefixes), a second batch follows in the
+    same manager and `warm` reports it alone: steady state, every CUDA graph already captured."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     cfg = contbatch.ContinuousBatchingConfig(
-        max_prompt_length=max(len(p) for p in prompts), max_generated_length=new_tokens,
+        max_prompt_length=max(len(p) for p in prompts + (second or [])), max_generated_length=new_tokens,
         max_requests_per_batch=len(prompts), **cfg_kwargs)
-    ids = [f"req_{i}" for i in range(len(prompts))]
     box: dict = {}
+
+    def batch(manager, batch_prompts: list[list[int]], tag: str) -> tuple[list, float]:
+        ids = [f"{tag}_{i}" for i in range(len(batch_prompts))]
+        t = time.perf_counter()
+        manager.add_requests(batch_prompts, request_ids=ids)
+        outs = [manager.get_result(rid, timeout=None) for rid in ids]
+        return outs, time.perf_counter() - t
 
     def body() -> dict:
         sync(device)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        warm = None
         with contbatch.continuous_batching(model, gen, cfg) as manager:
             box["manager"] = manager
-            t1 = time.perf_counter()
-            manager.add_requests(prompts, request_ids=ids)
-            outs = [manager.get_result(rid, timeout=None) for rid in ids]
-            t2 = time.perf_counter()
-            stats_inside = manager.stats()
+            startup = time.perf_counter() - t0
+            outs, gen_s = batch(manager, prompts, "req")
+            first = manager.stats()
             resolved = manager.resolved_config
-        t3 = time.perf_counter()
+            if second:
+                outs2, gen2 = batch(manager, second, "warm")
+                warm = {"outs": outs2, "gen_s": gen2}
+        total = time.perf_counter() - t0
         try:
-            stats = manager.stats()  # after the engine thread joined: every step counted
+            last = manager.stats()  # after the engine thread joined: every step counted
         except Exception:  # noqa: BLE001 - a destroyed manager may not report; keep the inside reading
-            stats = stats_inside
+            last = first
+        if warm is None:
+            first = last
+        else:
+            warm["stats"] = {k: v - first.get(k, 0.0) for k, v in _stats(last).items()}
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
-        return {"outs": outs, "e2e_s": t3 - t0, "gen_s": t2 - t1, "startup_s": t1 - t0, "stats": stats,
-                "resolved": resolved, "peak_gib": peak}
+        e2e = total - (warm["gen_s"] if warm else 0.0)  # start-up + first batch + shutdown
+        return {"outs": outs, "e2e_s": e2e, "gen_s": gen_s, "startup_s": startup, "stats": first,
+                "resolved": resolved, "peak_gib": peak, "warm": warm}
 
     def stop() -> None:
         if "manager" in box:
             box["manager"].stop(hard_stop=True, timeout=10)
 
+    def errors(outs) -> list[str]:
+        return sorted({f"{o.status.value}: {o.error}" for o in outs if o.error or o.status.value != "finished"})
+
     r = with_deadline(body, budget_s, on_timeout=stop)
     outs = r.pop("outs")
     r["tokens"] = [list(o.generated_tokens) for o in outs]
-    r["errors"] = sorted({f"{o.status.value}: {o.error}" for o in outs if o.error or o.status.value != "finished"})
+    r["errors"] = errors(outs)
     rc = r.pop("resolved")
     r["resolved"] = {k: getattr(rc, k, None) for k in RESOLVED_KEYS}
     r["resolved"]["warnings"] = list(getattr(rc, "warnings", ()) or ())
     r["resolved"]["notes"] = list(getattr(rc, "notes", ()) or ())
-    st = r["stats"]
-    r["missing_stats"] = [k for k in GPU_STAT_KEYS if k not in st]
-    r["stats"] = {k: st.get(k, 0.0) for k in ("steps", "step_seconds", "forward_seconds", *GPU_STAT_KEYS)}
+    r["missing_stats"] = [k for k in GPU_STAT_KEYS if k not in r["stats"]]
+    r["stats"] = _stats(r["stats"])
     r["output_tokens"] = sum(map(len, r["tokens"]))
+    if r["warm"]:
+        outs2 = r["warm"].pop("outs")
+        r["warm"]["output_tokens"] = sum(len(o.generated_tokens) for o in outs2)
+        r["warm"]["errors"] = errors(outs2)
     return r
 
 
@@ -220,3 +258,28 @@ def run_transformers_cb(model, prompts: list[list[int]], new_tokens: int, device
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
     return r
+
+
+def env_info(device: str) -> dict:
+    import importlib.metadata as md
+    import importlib.util
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "transformers_path": str(Path(transformers.__file__).parent), "device": device,
+            "flash_attn": importlib.util.find_spec("flash_attn") is not None}
+    for pkg in ("triton", "tokenizers", "huggingface_hub", "safetensors"):
+        try:
+            info[pkg] = md.version(pkg)
+        except Exception:  # noqa: BLE001
+            info[pkg] = None
+    # `import contbatch` must not pull in the server stack (fastapi etc. are not on the GPU machine).
+    info["contbatch_server_modules_imported"] = sorted(m for m in sys.modules if m.startswith("contbatch.server"))
+    info["fastapi_imported"] = "fastapi" in sys.modules
+    if device.startswith("cuda"):
+        info["device_name"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    else:
+        info["device_name"] = f"CPU ({os.cpu_count()} cores)"
+    return info

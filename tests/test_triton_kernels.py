@@ -44,7 +44,8 @@ def _cache(kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, layout:
     return k.to(DEVICE, dtype)
 
 
-def _setup(kv_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype, layout: str, seed: int):
+def _setup(kv_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype, layout: str,
+           seed: int):
     """Caches with shuffled, non-contiguous block tables, plus an all-zero trash block 0 that
     padding rows point at (as the engine's CUDA-graph padding does)."""
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +117,8 @@ def test_varlen(block_size, heads, kv_heads, head_dim, window, softcap, layout, 
     # (q_len, kv_len): decode rows, a padding request, a first chunk spanning two query
     # tiles, and chunks with earlier context; the second one's first visible key is the
     # last of a key tile (see test_decode).
-    reqs = [(1, 1), (20, 20 + 2 * tk.BLOCK_N - 2 + (window or 0)), (0, 5), (1, 40), (tk.VARLEN_BLOCK_M + 5, tk.VARLEN_BLOCK_M + 5), (3, 9)]
+    m = tk.VARLEN_BLOCK_M
+    reqs = [(1, 1), (20, 20 + 2 * tk.BLOCK_N - 2 + (window or 0)), (0, 5), (1, 40), (m + 5, m + 5), (3, 9)]
     kv_lens = [kv for _, kv in reqs]
     k, v, table, lens, gen = _setup(kv_lens, block_size, heads, kv_heads, head_dim, dtype, layout, seed=7 + block_size)
     cu_list = [0]
@@ -176,6 +178,8 @@ def test_launchers_reject_bad_inputs():
         tk.paged_decode_attention(q[..., :8], k, v, table, lens, 1.0, block_size=4)
     with pytest.raises(ValueError, match="int32"):
         tk.paged_decode_attention(q, k, v, table, lens.long(), 1.0, block_size=4)
+    with pytest.raises(ValueError, match="block_size"):
+        tk.paged_decode_attention(q, k, v, table, lens, 1.0, block_size=0)
     with pytest.raises(ValueError, match="sliding_window"):
         tk.paged_decode_attention(q, k, v, table, lens, 1.0, sliding_window=0, block_size=4)
     with pytest.raises(ValueError, match="multiple"):

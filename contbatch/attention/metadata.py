@@ -8,10 +8,14 @@ computed here once and shared by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.paged_cache import PagedAttentionCache
+
+if TYPE_CHECKING:
+    from .kernels import AttentionKernels
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -81,7 +85,7 @@ class FlatMetadata:
     kernels walk block tables and length arrays themselves; nothing is read on the host."""
 
     cache: PagedAttentionCache
-    kernels: "AttentionKernels"  # noqa: F821 (attention/kernels.py)
+    kernels: AttentionKernels
     decode_only: bool
     write_slots: torch.Tensor  # [T]
     cu_seqlens_q: torch.Tensor  # [B + 1] int32

@@ -50,8 +50,8 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_row, block_size,
-                 stride_ks, stride_vs, scale, softcap, window,
+def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_row,
+                 stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr):
@@ -63,8 +63,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < hi
     d_ok = offs_d < HEAD_DIM
-    block = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0)
-    slot = block.to(tl.int64) * block_size + offs_n % block_size
+    block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
     k_t = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s = _dot(q, k_t, DOT_PRECISION, UPCAST) * scale
     if USE_SOFTCAP:
@@ -85,9 +85,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
                    stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                   stride_bt, stride_ob, stride_oh, scale, softcap, window, block_size,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+                   stride_bt, stride_ob, stride_oh, scale, softcap, window,
+                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
                    USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (request, kv head). The GROUP query heads sharing the kv head are
     the rows of one `tl.dot`, padded to BLOCK_H >= 16: each K/V tile is loaded once for the
@@ -100,7 +100,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
     h_ok = offs_h < GROUP
     heads = kvh * GROUP + offs_h
     q_mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     kv_len = tl.load(kv_lens_ptr + b)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (kv_len - 1)
     lo = 0
@@ -114,7 +115,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for start in range(lo, kv_len, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, h_ok, start, kv_len, k_base, v_base, bt_row,
-                                     block_size, stride_ks, stride_vs, scale, softcap, window,
+                                     stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0: acc is 0, so the row is 0
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -124,9 +125,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
 @triton.jit
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_ptr, tile_start_ptr, out_ptr,
                    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                   stride_bt, stride_ot, stride_oh, scale, softcap, window, block_size,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+                   stride_bt, stride_ot, stride_oh, scale, softcap, window,
+                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
                    USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (query tile, query head). The tile map is an input rather than
     derived from the program id so the grid stays fixed (padding tiles are -1 and exit)."""
@@ -161,7 +162,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_row,
-                                     block_size, stride_ks, stride_vs, scale, softcap, window,
+                                     stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + row_off * stride_ot + h * stride_oh + offs_d[None, :]
@@ -197,18 +198,21 @@ def max_varlen_tiles(num_tokens: int, num_requests: int) -> int:
 
 
 def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-           sliding_window: int | None, out: torch.Tensor | None, index: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+           block_size: int, sliding_window: int | None, out: torch.Tensor | None,
+           index: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
     """Host-only checks (no device sync, so a launch stays capturable). The kernels assume
     unit stride on the head dim and int32, contiguous index tensors."""
     head_dim = q.shape[-1]
     num_heads = q.shape[1]
     kv_heads = key_cache.shape[0]
     if key_cache.shape != value_cache.shape or key_cache.shape[2] != head_dim:
-        raise ValueError(f"cache shapes {tuple(key_cache.shape)}, {tuple(value_cache.shape)} do not fit head_dim {head_dim}")
+        raise ValueError(f"cache shapes {tuple(key_cache.shape)}, {tuple(value_cache.shape)} "
+                         f"do not fit head_dim {head_dim}")
     if num_heads % kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise ValueError(f"q and caches must share one of float32/float16/bfloat16, got {q.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    dtypes = (q.dtype, key_cache.dtype, value_cache.dtype)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len(set(dtypes)) != 1:
+        raise ValueError(f"q and caches must share one of float32/float16/bfloat16, got {dtypes}")
     for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride on its last (head_dim) axis")
@@ -219,6 +223,8 @@ def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
     for t in index:
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError("kv_lens, cu_seqlens_q, tile_request and tile_start must be contiguous int32")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     return num_heads // kv_heads, head_dim, max(_MIN_DOT, triton.next_power_of_2(head_dim))
@@ -226,9 +232,11 @@ def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
 
 def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None) -> dict:
     """Specialise on the features in use, so layers without a window or cap pay nothing for
-    them. fp32 products run in "ieee" precision (TF32 would break token-exact fp32 output);
-    for half types the precision is moot and "tf32" is the NVIDIA default, spelled out
-    because a constexpr None is not treated as "default" by every Triton release."""
+    them (block_size is a constexpr too: fixed per engine, and slot arithmetic by a
+    constant divisor compiles to shifts or multiplies). fp32 products run in "ieee"
+    precision: TF32 would break token-exact fp32 output. For half types the precision is
+    moot and "tf32" is the NVIDIA default, spelled out because a constexpr None is not
+    treated as "default" by every Triton release."""
     return dict(BLOCK_N=BLOCK_N, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=type(_decode_kernel).__name__ == "InterpretedFunction" and q.dtype != torch.float32)
@@ -243,7 +251,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     The grid is (B, H_kv) whatever the lengths, so the launch is CUDA-graph capturable."""
     if q.dim() != 3 or kv_lens.shape != (q.shape[0],) or block_table.shape[0] != q.shape[0]:
         raise ValueError("decode expects q [B, H, D], kv_lens [B] and block_table [B, max_blocks]")
-    group, head_dim, block_d = _check(q, key_cache, value_cache, block_table, sliding_window, out, (kv_lens,))
+    group, head_dim, block_d = _check(q, key_cache, value_cache, block_table, block_size, sliding_window, out,
+                                      (kv_lens,))
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -252,8 +261,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         q, key_cache, value_cache, block_table, kv_lens, out,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), int(block_size),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d,
         **_consts(q, sliding_window, softcap))
     return out
 
@@ -271,7 +281,7 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         raise ValueError("varlen expects q [T, H, D], kv_lens [B], cu_seqlens_q [B + 1], block_table [B, max_blocks]")
     if tile_request.shape != tile_start.shape or tile_request.dim() != 1:
         raise ValueError("tile_request and tile_start must be 1-D of equal length")
-    group, head_dim, block_d = _check(q, key_cache, value_cache, block_table, sliding_window, out,
+    group, head_dim, block_d = _check(q, key_cache, value_cache, block_table, block_size, sliding_window, out,
                                       (kv_lens, cu_seqlens_q, tile_request, tile_start))
     if out is None:
         out = torch.empty_like(q)
@@ -281,7 +291,7 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         q, key_cache, value_cache, block_table, kv_lens, cu_seqlens_q, tile_request, tile_start, out,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), int(block_size),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=VARLEN_BLOCK_M, BLOCK_D=block_d,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=VARLEN_BLOCK_M, BLOCK_D=block_d,
         **_consts(q, sliding_window, softcap))
     return out

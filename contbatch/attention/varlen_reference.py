@@ -42,9 +42,9 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
-    """q: [n, H, D] -> [n, H, D] float32 for n independent query groups of c rows each, laid
-    out [n, c, H, D] (c = q.shape[1] // H folded by the caller); k, v: [H_kv, n, W, D];
-    visible: [n, c, W]. One bmm per kv head: the query heads of a group share its K/V."""
+    """n independent requests of c query rows each: q [n, c, H, D], k and v [H_kv, n, W, D],
+    visible [n, c, W]; returns [n, c, H, D] in float32. One bmm per kv head, its query heads
+    folded into the rows, so K/V are never repeated for grouped-query attention."""
     kv_heads, n, width, head_dim = k.shape
     rows, num_heads = q.shape[1], q.shape[2]
     group = num_heads // kv_heads

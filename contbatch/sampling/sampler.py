@@ -38,13 +38,20 @@ class SampleResult:
     top_logprobs: torch.Tensor | None = None  # [S, k]
 
 
+def _dev(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a device tensor without stalling the host: a copy from pageable memory
+    first waits for the GPU stream to drain, which would undo async batching's overlap."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _rows(reqs: list[SampleRequest], pred) -> list[int]:
     return [i for i, r in enumerate(reqs) if pred(r)]
 
 
 def _padded(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(s) for s in seqs))
-    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+    return _dev([s + [pad] * (width - len(s)) for s in seqs], device, torch.long)
 
 
 def apply_logit_bias(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
@@ -54,8 +61,8 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
             if token < logits.shape[1]:
                 rows.append(i), cols.append(token), vals.append(bias)
     if rows:
-        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        idx = (_dev(rows, logits.device, torch.long), _dev(cols, logits.device, torch.long))
+        logits.index_put_(idx, _dev(vals, logits.device, logits.dtype), accumulate=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
@@ -65,7 +72,8 @@ def apply_repetition_penalty(logits: torch.Tensor, reqs: list[SampleRequest]) ->
         return
     vocab = logits.shape[1]
     ids = _padded([reqs[i].prompt_ids + reqs[i].generated for i in rows], vocab, logits.device)
-    penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rows], device=logits.device)[:, None]
+    penalty = _dev([reqs[i].params.repetition_penalty for i in rows], logits.device, torch.float32)[:, None]
+    rows = _dev(rows, logits.device, torch.long)
     sub = torch.cat([logits[rows], torch.zeros(len(rows), 1, device=logits.device)], dim=1)
     score = sub.gather(1, ids)
     score = torch.where(score < 0, score * penalty, score / penalty)
@@ -83,9 +91,9 @@ def apply_presence_frequency(logits: torch.Tensor, reqs: list[SampleRequest]) ->
     counts = torch.zeros(len(rows), vocab + 1, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=logits.device))
     counts = counts[:, :vocab]
-    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], device=logits.device)[:, None]
-    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], device=logits.device)[:, None]
-    logits[rows] -= freq * counts + pres * (counts > 0)
+    freq = _dev([reqs[i].params.frequency_penalty for i in rows], logits.device, torch.float32)[:, None]
+    pres = _dev([reqs[i].params.presence_penalty for i in rows], logits.device, torch.float32)[:, None]
+    logits[_dev(rows, logits.device, torch.long)] -= freq * counts + pres * (counts > 0)
 
 
 def apply_min_new_tokens(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
@@ -96,13 +104,14 @@ def apply_min_new_tokens(logits: torch.Tensor, reqs: list[SampleRequest]) -> Non
                 if token < logits.shape[1]:
                     rows.append(i), cols.append(token)
     if rows:
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        logits[_dev(rows, logits.device, torch.long), _dev(cols, logits.device, torch.long)] = float("-inf")
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Like `TopKLogitsWarper`, per row; k <= 0 keeps every token."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, kmax: int | None = None) -> torch.Tensor:
+    """Like `TopKLogitsWarper`, per row; k <= 0 keeps every token. `kmax`, the largest k,
+    saves a device sync when the caller knows it."""
     k = top_k.clamp(max=logits.shape[1])
-    kmax = int(k.max())
+    kmax = min(kmax, logits.shape[1]) if kmax is not None else int(k.max())
     if kmax <= 0:
         return logits
     kth = logits.topk(kmax, dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
@@ -131,17 +140,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def warp(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for rows that sample; each only where some row uses it."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in reqs], device=device)
-    logits = logits / temperature[:, None]
-    top_k = torch.tensor([r.params.top_k for r in reqs], device=device)
-    if bool((top_k > 0).any()):
-        logits = apply_top_k(logits, top_k)
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
-    if bool((top_p < 1).any()):
-        logits = apply_top_p(logits, top_p)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=device)
-    if bool((min_p > 0).any()):
-        logits = apply_min_p(logits, min_p)
+    # Which warpers run is decided from the host-side parameters: no device sync.
+    logits = logits / _dev([r.params.temperature for r in reqs], device, torch.float32)[:, None]
+    top_k = [r.params.top_k for r in reqs]
+    if max(top_k) > 0:
+        logits = apply_top_k(logits, _dev(top_k, device, torch.long), max(top_k))
+    top_p = [r.params.top_p for r in reqs]
+    if min(top_p) < 1:
+        logits = apply_top_p(logits, _dev(top_p, device, torch.float32))
+    min_p = [r.params.min_p for r in reqs]
+    if max(min_p) > 0:
+        logits = apply_min_p(logits, _dev(min_p, device, torch.float32))
     return logits
 
 
@@ -159,7 +168,7 @@ class Sampler:
             if r.params.seed is not None:
                 g = torch.Generator().manual_seed((r.params.seed * 1_000_003 + len(r.generated)) % 2**63)
                 noise[i] = torch.empty(vocab).exponential_(generator=g)
-        return noise.to(device)
+        return noise.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else noise
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         logits = logits.float()
@@ -173,11 +182,12 @@ class Sampler:
         sample_rows = _rows(reqs, lambda r: not r.params.greedy)
         if sample_rows:
             sub_reqs = [reqs[i] for i in sample_rows]
-            warped = warp(logits[sample_rows], sub_reqs)
+            idx = _dev(sample_rows, logits.device, torch.long)
+            warped = warp(logits[idx], sub_reqs)
             probs = torch.softmax(warped, dim=-1)
-            tokens[sample_rows] = (probs / self._noise(sub_reqs, logits.shape[1], logits.device)).argmax(dim=-1)
+            tokens[idx] = (probs / self._noise(sub_reqs, logits.shape[1], logits.device)).argmax(dim=-1)
             final = logits.clone()
-            final[sample_rows] = warped
+            final[idx] = warped
 
         result = SampleResult(tokens)
         if any(r.params.wants_logprobs for r in reqs):
