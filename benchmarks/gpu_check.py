@@ -40,6 +40,7 @@ def load() -> None:
     import gpu_check_models as M
     import gpu_check_runs as X
 
+
 FULL = dict(exact_n=12, exact_lo=5, exact_hi=200, exact_new=24, exact_mbt=64, exact_blocks=(16, 256),
             tp_requests=(64, 256), tp_prompt=512, tp_new=256, tp_mbt=8192, warm_n=8, warm_prompt=64, warm_new=16,
             bw_bytes=2 * 2**30, exact_budget_s=140, tp_budget_s=210, exact_run_s=60, cb_run_s=75, tf_run_s=100,
@@ -186,10 +187,10 @@ def part_throughput(args, s: dict, rep: Report) -> None:
     for name, (model, _) in models.items():  # warm-ups: kernels compiled, allocator and handles primed
         vocab = model.config.vocab_size
         wp = X.random_prompts(s["warm_n"], s["warm_prompt"], s["warm_prompt"], vocab, seed=4)
-        for system, fn in (("contbatch", lambda: X.run_contbatch(model, wp, s["warm_new"], args.device, s["cb_run_s"],
+        cap = max(5.0, min(s["tf_run_s"], left(s) - 5))
+        for system, fn in (("contbatch", lambda: X.run_contbatch(model, wp, s["warm_new"], args.device, cap,
                                                                   max_batch_tokens=mbt, num_blocks=64, **base)),
-                           ("tf", lambda: X.run_transformers_cb(model, wp, s["warm_new"], args.device, s["tf_run_s"],
-                                                                mbt, 64))):
+                           ("tf", lambda: X.run_transformers_cb(model, wp, s["warm_new"], args.device, cap, mbt, 64))):
             try:
                 r = fn()
                 log(f"warm-up {name} {system}: {r['e2e_s']:.1f}s")

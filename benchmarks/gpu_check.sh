@@ -37,7 +37,7 @@ mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 main() {
-echo "== gpu_check.sh $(date -u +%FT%TZ) on $(hostname), args: $*"
+echo "== gpu_check.sh $(date -u +%FT%TZ) on ${HOSTNAME:-?}, args: $*"
 {
   echo "== nvidia-smi"; (nvidia-smi 2>&1 || echo "nvidia-smi not available")
   echo "== uname"; uname -a
@@ -57,7 +57,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-"$PY" - <<'EOF' 2>&1 | tee -a "$OUTDIR/env.txt"
+"$PY" - <<'EOF' 2>&1 | tee -a "$OUTDIR/env.txt" || echo "== version check FAILED (see above); running the parts anyway"
 import importlib.metadata as md, importlib.util, sys
 for name in ("torch", "triton", "transformers", "tokenizers", "huggingface_hub", "safetensors", "numpy", "regex", "tqdm", "psutil"):
     try:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cli_options import add_device_arguments
+
 BUILTIN_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -54,8 +56,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import GenerationConfig
 
     from . import ContinuousBatchingConfig, SamplingParams, generate_batch, load_model
+    from .cli_options import gpu_config, resolve_device
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]))
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]), device=resolve_device(args.device))
     prompts = _read_prompts(Path(args.input)) if args.input else BUILTIN_PROMPTS
     inputs = [_encode(tokenizer, p, not args.no_chat_template) for p in prompts]
     eos = None if args.ignore_eos else model.generation_config.eos_token_id
@@ -65,6 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         max_batch_tokens=args.max_batch_tokens,
         scheduler_type=args.scheduler,
+        **gpu_config(args),
     )
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
@@ -127,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch-tokens", type=int, default=None)
     gen.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     gen.add_argument("--quiet", action="store_true")
+    add_device_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     from .server.serve import add_arguments as add_serve_arguments

@@ -84,8 +84,16 @@ def default_model_dir() -> Path:
     return out
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """Returns `(model, tokenizer)`: the default model, a local HF folder, or a `.gguf` file."""
+def load_model(
+    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+):
+    """Returns `(model, tokenizer)`: the default model, a local HF folder, or a `.gguf` file,
+    with the model on `device`."""
+    model, tokenizer = _load(name_or_path, dtype)
+    return model.to(device), tokenizer
+
+
+def _load(name_or_path: str | os.PathLike | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path is None:

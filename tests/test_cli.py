@@ -18,6 +18,14 @@ def test_generate_from_text_file(tmp_path, capsys, default_model):
     assert all(r["status"] == "finished" and 1 <= len(r["generated_tokens"]) <= 8 for r in rows)
     assert "Paris" in rows[0]["text"]
     assert "throughput: 2 requests" in capsys.readouterr().out
+    # The GPU layout with carry-over (reference kernels here) gives the same greedy tokens.
+    flat = tmp_path / "flat.jsonl"
+    args = ["generate", "--input", str(prompts), "--output", str(flat), "--max-new-tokens", "8", "--quiet",
+            "--device", "cpu", "--attention-backend", "reference", "--async-batching"]
+    assert main(args) == 0
+    assert [json.loads(line)["generated_tokens"] for line in flat.read_text().splitlines()] == [
+        r["generated_tokens"] for r in rows
+    ]
 
 
 def test_generate_jsonl_messages_and_sampling(tmp_path, capsys, default_model):

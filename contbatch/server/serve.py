@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..cli_options import add_device_arguments, gpu_config, resolve_device
+
 ATTN_IMPLEMENTATIONS = {"contbatch_paged": "contbatch_paged", "paged": "contbatch_paged"}
 
 
@@ -29,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
+    add_device_arguments(p)
     p.add_argument("--safety-margin", type=float, default=None)
     p.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of host memory for preempted KV")
     p.add_argument("--max-queue-size", type=int, default=0,
@@ -66,13 +69,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, scheduler_type=args.scheduler,
         safety_margin=args.safety_margin, cpu_offload_space=args.cpu_offload_space,
         max_queue_size=args.max_queue_size,
+        **gpu_config(args),
         # A context limit is a workload hint: the CPU cache and block tables are sized for it.
         max_prompt_length=args.max_model_len,
     )
     if args.block_size is not None:
         config = replace(config, block_size=args.block_size)
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=resolve_device(args.device))
     manager = ContinuousBatchingManager(model, None, config, tokenizer=tokenizer)
     app = build_app(manager, tokenizer, settings)
     banner = {

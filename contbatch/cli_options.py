@@ -1,0 +1,35 @@
+"""Command-line options shared by `contbatch generate` and `contbatch serve`: device and GPU path."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import ATTENTION_BACKENDS
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when present)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: flash-attn, else our Triton kernels on CUDA; torch on the CPU")
+    on_off = argparse.BooleanOptionalAction
+    p.add_argument("--decode-fast-path", action=on_off, default=None, help="default: on where the backend has it")
+    p.add_argument("--cuda-graph", action=on_off, default=None, help="default: on with triton/flash on CUDA")
+    p.add_argument("--async-batching", action=on_off, default=None, help="default: on when CUDA graphs are")
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def gpu_config(args: argparse.Namespace) -> dict:
+    """ContinuousBatchingConfig fields from the options above."""
+    return dict(
+        attention_backend=args.attention_backend,
+        decode_fast_path=args.decode_fast_path,
+        use_cuda_graph=args.cuda_graph,
+        use_async_batching=args.async_batching,
+    )
