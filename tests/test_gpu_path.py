@@ -5,10 +5,13 @@ padded as for graphs) through the PyTorch reference kernels."""
 from __future__ import annotations
 
 import logging
+import random
 from contextlib import contextmanager
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, SamplingParams
@@ -259,12 +262,41 @@ def test_async_sampling_matches_sync(llama_model):
     """Seeded sampling with penalties reads each request's history: with carry-over the
     history is complete by the time a step samples, so tokens equal the synchronous run."""
     prompts = random_prompts(8, 3, 20, seed=44)
-    params = [SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3, seed=i) for i in range(8)]
+    params = [SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3, seed=i) for i in range(7)]
+    params.append(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=7, n=3))  # siblings share a prompt
     runs = []
     for use_async in (False, True):
         config = ContinuousBatchingConfig(block_size=4, attention_backend="reference", use_async_batching=use_async)
         outs, _ = _flat_run(llama_model, prompts, 10, config, params=params)
-        runs.append([o.generated_tokens for o in outs])
+        runs.append([o.generated_tokens for o in outs] + [[s.generated_tokens for s in outs[-1].samples]])
+    assert runs[0] == runs[1]
+    assert len(runs[1][-1]) == 3
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.sampled_from([16, 24, 200]),
+    offload=st.sampled_from([0.0, 1.0]),
+    scheduler=st.sampled_from(["fifo", "prefill_first"]),
+    budget=st.sampled_from([8, 24, 64]),
+)
+def test_async_equals_sync_on_random_workloads(llama_model, seed, num_blocks, offload, scheduler, budget):
+    """Whatever the pressure, budget and scheduler, the carry-over pipeline (padded as for
+    graphs) produces exactly what the one-step-at-a-time loop does, token for token."""
+    rng = random.Random(seed)
+    prompts = random_prompts(rng.randint(2, 10), 1, 30, seed=seed)
+    lengths = [rng.randint(1, 12) for _ in prompts]
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=[rng.randrange(512)]) for n in lengths]
+    runs = []
+    for use_async in (False, True):
+        config = ContinuousBatchingConfig(
+            block_size=4, num_blocks=num_blocks, max_batch_tokens=budget, attention_backend="reference",
+            use_async_batching=use_async, scheduler_type=scheduler, cpu_offload_space=offload,
+            q_padding_interval_size=8,
+        )
+        outs, _ = _flat_run(llama_model, prompts, 12, config, graphs=use_async, params=params)
+        runs.append([(o.generated_tokens, o.finish_reason) for o in outs])
     assert runs[0] == runs[1]
 
 
