@@ -117,6 +117,9 @@ def test_flat_batch_and_padding_point_padding_at_trash():
     assert padded["block_table"][3].tolist() == [10, 10] and padded["write_slots"][3] == 44
     with pytest.raises(ValueError):
         pad_batch(decode, StepShape(True, 2, 2, 0, 0), 2, 10, 44)
+    # Without the fast path a decode-only step runs the varlen kernel: it needs its tiles.
+    slow = Bucketing(16, 8, 32, tiles_for=lambda t, b: t // 4 + b, kv_keyed=True, fast_decode=False)
+    assert slow.padded(decode) == StepShape(True, 4, 4, 5, 32) and slow.exact(decode).num_tiles == 3
 
 
 def test_graph_cache_lru_shares_one_pool():
@@ -339,16 +342,18 @@ def test_stream_ordering(llama_model):
     assert len(h2d) > 4 and len(compute_done) == len(h2d)
 
 
-def test_triton_kernels_in_the_engine(llama_model):
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_triton_kernels_in_the_engine(llama_model, fast_path):
     """Our Triton kernels (in the interpreter here, compiled on a GPU) drive the engine:
-    varlen steps, the decode fast path, padding to graph buckets and carry-over."""
+    varlen steps, decode steps on the fast path or the varlen kernel, padding to graph
+    buckets (with the fast path) or exact shapes, and carry-over."""
     pytest.importorskip("triton")
-    prompts = random_prompts(5, 1, 20, seed=47)
+    prompts = random_prompts(4, 1, 20, seed=47)
     config = ContinuousBatchingConfig(
         block_size=4, max_batch_tokens=24, attention_backend="triton", use_async_batching=True,
-        q_padding_interval_size=8,
+        q_padding_interval_size=8, decode_fast_path=fast_path,
     )
-    outs, stats = _flat_run(llama_model, prompts, 5, config, graphs=True)
+    outs, stats = _flat_run(llama_model, prompts, 5, config, graphs=fast_path)
     for prompt, out in zip(prompts, outs):
         assert out.generated_tokens == reference_generate(llama_model, prompt, 5)
     assert stats["decode_only_steps"] > 0

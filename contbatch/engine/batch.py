@@ -14,6 +14,7 @@ from ..attention.metadata import BatchMetadata, DecodeGroup, PrefillRow
 from ..cache.paged_cache import PagedAttentionCache
 from ..requests import RequestState
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
+from .flat_batch import step_tokens
 
 
 @dataclass
@@ -40,19 +41,9 @@ def build_batch(plan: StepPlan, cache: PagedAttentionCache) -> ModelInputs:
     trash_block = cache.num_blocks  # first reserved block: reads land on the read-trash slot
     table = torch.tensor([t + [trash_block] * (width - len(t)) for t in tables], dtype=torch.long)
 
-    token_ids: list[int] = []
-    for c in chunks:
-        start = c.state.num_computed_tokens
-        token_ids.extend(c.state.all_token_ids[start : start + c.num_tokens])
-    q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.state.num_computed_tokens for c in chunks], dtype=torch.long)
-    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.long)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
-    total = int(cu_q[-1])
-
-    rows = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-    positions = starts[rows] + torch.arange(total) - cu_q[rows]
-    write_slots = table[rows, positions // bs] * bs + positions % bs
+    step = step_tokens(chunks)
+    token_ids, q_lens, starts, cu_q, positions = step.token_ids, step.q_lens, step.starts, step.cu_q, step.positions
+    write_slots = step.write_slots(table, bs)
 
     num_decode = sum(1 for c in chunks if c.num_tokens == 1)
     kv_lens = starts + q_lens

@@ -49,20 +49,27 @@ class Bucketing:
     kv_interval: int
     tiles_for: Callable[[int, int], int] | None  # (tokens, requests) -> tile bound, if tiled
     kv_keyed: bool  # the backend's launch takes the key-length bound from the host
+    fast_decode: bool = True  # decode-only steps take the decode kernel (else the varlen one)
+
+    def _tiles(self, decode_only: bool, tokens: int, requests: int) -> int:
+        if self.tiles_for is None or (decode_only and self.fast_decode):
+            return 0
+        return self.tiles_for(tokens, requests)
 
     def exact(self, batch: FlatBatch) -> StepShape:
         """No padding: the eager path runs the step as it is."""
         t, b = batch.num_tokens, batch.num_requests
-        tiles = self.tiles_for(t, b) if self.tiles_for and not batch.decode_only else 0
+        tiles = self._tiles(batch.decode_only, t, b)
         return StepShape(batch.decode_only, t, b, tiles, batch.max_kv_len if self.kv_keyed else 0)
 
     def padded(self, batch: FlatBatch) -> StepShape:
         if batch.decode_only:
             b = decode_bucket(batch.num_requests, self.max_requests)
-            return StepShape(True, b, b, 0, 0)
+            kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed and not self.fast_decode else 0
+            return StepShape(True, b, b, self._tiles(True, b, b), kv)
         t = round_up(batch.num_tokens, self.q_interval)
         b = min(t, self.max_requests)  # every request has a token: never more requests than tokens
-        tiles = self.tiles_for(t, b) if self.tiles_for else 0
+        tiles = self._tiles(False, t, b)
         kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed else 0
         return StepShape(False, t, b, tiles, kv)
 

@@ -47,6 +47,35 @@ class FlatBatch:
         return int(self.kv_lens.max()) if self.num_requests else 0
 
 
+@dataclass
+class StepTokens:
+    """The tokens a plan computes, flattened in chunk order: shared by both layouts."""
+
+    token_ids: list[int]
+    q_lens: torch.Tensor  # [B]
+    starts: torch.Tensor  # [B]: tokens each request had computed before the step
+    cu_q: torch.Tensor  # [B + 1]
+    rows: torch.Tensor  # [T]: the chunk of each token
+    positions: torch.Tensor  # [T]
+
+    def write_slots(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
+        return table[self.rows, self.positions // block_size].long() * block_size + self.positions % block_size
+
+
+def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
+    token_ids: list[int] = []
+    for c in chunks:
+        start = c.state.num_computed_tokens
+        token_ids.extend(c.state.all_token_ids[start : start + c.num_tokens])
+    q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+    starts = torch.tensor([c.state.num_computed_tokens for c in chunks], dtype=torch.long)
+    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=cu_q[1:])
+    rows = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
+    positions = starts[rows] + torch.arange(len(token_ids)) - cu_q[rows]
+    return StepTokens(token_ids, q_lens, starts, cu_q, rows, positions)
+
+
 def build_flat_batch(
     plan: StepPlan, tables: list[list[int]], block_size: int, prev_rows: dict[str, int] | None = None
 ) -> FlatBatch:
@@ -56,19 +85,9 @@ def build_flat_batch(
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
-    token_ids: list[int] = []
-    for c in chunks:
-        start = c.state.num_computed_tokens
-        token_ids.extend(c.state.all_token_ids[start : start + c.num_tokens])
-    ids = torch.tensor(token_ids, dtype=torch.long)
-    q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.state.num_computed_tokens for c in chunks], dtype=torch.long)
-    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.long)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
-    total = int(cu_q[-1])
-    rows = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-    positions = starts[rows] + torch.arange(total) - cu_q[rows]
-    write_slots = table[rows, positions // block_size].long() * block_size + positions % block_size
+    step = step_tokens(chunks)
+    ids = torch.tensor(step.token_ids, dtype=torch.long)
+    rows, cu_q = step.rows, step.cu_q
 
     waiting = ids == PLACEHOLDER
     carry = torch.full_like(ids, -1)
@@ -84,10 +103,10 @@ def build_flat_batch(
     return FlatBatch(
         input_ids=ids,
         carry=carry,
-        positions=positions,
-        write_slots=write_slots,
+        positions=step.positions,
+        write_slots=step.write_slots(table, block_size),
         cu_seqlens_q=cu_q.to(torch.int32),
-        kv_lens=(starts + q_lens).to(torch.int32),
+        kv_lens=(step.starts + step.q_lens).to(torch.int32),
         block_table=table,
         logits_indices=cu_q[1:][sampled_rows] - 1 if sampled_rows else torch.zeros(0, dtype=torch.long),
         sampled=[chunks[i].state for i in sampled_rows],

@@ -109,7 +109,7 @@ class ContinuousBatchingManager(StepsMixin):
         kernels = load_kernels(r.attention_backend, r.decode_fast_path, r.block_size)
         bucketing = Bucketing(
             r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
-            kernels.max_varlen_tiles, kernels.kv_keyed,
+            kernels.max_varlen_tiles, kernels.kv_keyed, fast_decode=kernels.decode is not None,
         )
         if r.use_cuda_graph:
             self._graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
