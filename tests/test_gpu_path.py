@@ -122,6 +122,26 @@ def test_flat_batch_and_padding_point_padding_at_trash():
     assert slow.padded(decode) == StepShape(True, 4, 4, 5, 32) and slow.exact(decode).num_tiles == 3
 
 
+def test_token_major_cache_is_the_same_cache():
+    """flash-attn's token-major layout: same logical `[H_kv, slots, D]` contents after
+    writes, and offload copies round-trip into other blocks, as in the heads-first layout."""
+    from contbatch.cache.paged_cache import KVLayout, PagedAttentionCache
+
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
+    caches = [PagedAttentionCache(layout, 6, 4, token_major=tm) for tm in (False, True)]
+    key, value = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    slots = torch.tensor([4, 5, 6, 7, 12])
+    for cache in caches:
+        cache.write(1, slots, key, value)
+        k, v = cache.kv(1)
+        assert k.shape == (3, cache.num_rows, 8)
+        assert torch.equal(k[:, slots], key) and torch.equal(v[:, slots], value)
+        keys, values = cache.copy_out([1, 3], 5)
+        cache.copy_in([2, 5], 5, keys, values)
+        moved = torch.tensor([8, 9, 10, 11, 20])
+        assert torch.equal(cache.kv(1)[0][:, moved], key) and torch.equal(cache.kv(1)[1][:, moved], value)
+
+
 def test_graph_cache_lru_shares_one_pool():
     runs: list[str] = []
     cache = GraphCache(2, eager_capture, pool="pool")

@@ -136,7 +136,8 @@ class Scheduler:
         for state in self._running_order(by_arrival):
             if tokens_left == 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
-            if state.request_id not in self.running or state.exhausted:  # preempted; or ends on its pending token
+            # Preempted earlier in this step, or ending on its token still in flight (async).
+            if state.request_id not in self.running or state.exhausted:
                 continue
             want = min(state.remaining_tokens, tokens_left)
             got = self._grow_running(state, want, scheduled, plan)
@@ -151,8 +152,10 @@ class Scheduler:
         for state in self.waiting:
             if tokens_left <= 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
+            # Only these step aside: siblings of an n > 1 request (to share its prompt), and
+            # requests preempted with their last token still in flight (they end when it lands).
             if _waits_for_sibling(state) or state.exhausted:
-                continue  # only siblings of an n > 1 request step aside, to share its prompt
+                continue
             if plan.chunks and bm.num_free_blocks < reserve:
                 plan.held_by_margin = len(self.waiting) - len(admitted)
                 break
