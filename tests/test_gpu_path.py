@@ -4,6 +4,7 @@ padded as for graphs) through the PyTorch reference kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from contextlib import contextmanager
@@ -260,6 +261,20 @@ def test_flat_layout_is_exact(tiny_model, use_async, graphs):
         assert stats["graph_captures"] > 3 and stats["graph_replays"] > 0  # evictions happened too
 
 
+def test_flat_layout_sliding_windows_and_softcap(sliding_model):
+    """Windows (Mistral, Gemma 2/3 alternating) and Gemma 2's soft-capping reach the flat
+    kernels per layer: exact through both the decode fast path and varlen steps."""
+    prompts = random_prompts(10, 1, 40, seed=32)
+    config = ContinuousBatchingConfig(
+        block_size=4, max_batch_tokens=32, attention_backend="reference", use_async_batching=True,
+        q_padding_interval_size=16,
+    )
+    outs, stats = _flat_run(sliding_model, prompts, 8, config, graphs=True)
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(sliding_model, prompt, 8)
+    assert stats["decode_only_steps"] > 0
+
+
 def test_async_early_stops_and_pressure_stay_exact(llama_model):
     """Requests that stop on a token in step N were already planned into N+1; under KV
     pressure (offload and soft reset) and with shared prefixes, nobody's cache is hurt."""
@@ -331,6 +346,34 @@ def test_async_cancel_in_flight(llama_model):
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if i != 2:
             assert out.generated_tokens == reference_generate(llama_model, prompt, 30)
+
+
+def test_a_failing_kernel_fails_only_its_step(llama_model):
+    """A kernel error in one async step fails that step's requests with a clear error (and
+    the step in flight behind it skips them); later requests run and stay exact."""
+    config = ContinuousBatchingConfig(block_size=4, attention_backend="reference", use_async_batching=True)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(llama_model, gc, config)
+    manager.start()
+    try:
+        kernels = manager._flat.kernels
+        calls = {"n": 0}
+
+        def flaky(*args):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("injected kernel fault")
+            return kernels.decode(*args)
+
+        manager._flat.kernels = dataclasses.replace(kernels, decode=flaky)
+        first = [manager.get_result(rid, timeout=60) for rid in manager.add_requests(random_prompts(3, 4, 9, seed=48))]
+        later = random_prompts(3, 4, 9, seed=49)
+        again = [manager.get_result(rid, timeout=60) for rid in manager.add_requests(later)]
+    finally:
+        manager.stop()
+    assert all(o.status == RequestStatus.FAILED and "injected kernel fault" in o.error for o in first)
+    for prompt, out in zip(later, again):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 6)
 
 
 def test_stream_ordering(llama_model):
