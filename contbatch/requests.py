@@ -31,7 +31,8 @@ class RequestStatus(str, Enum):
 
     @property
     def is_done(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+        # Identity checks: asked several times per request per step, and Enum `in` is slow.
+        return self is RequestStatus.FINISHED or self is RequestStatus.FAILED or self is RequestStatus.CANCELLED
 
 
 @dataclass

@@ -9,7 +9,9 @@ copied to the device in one go (`flat_runner.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from ..requests import PLACEHOLDER, RequestState
@@ -63,17 +65,29 @@ class StepTokens:
 
 
 def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
+    """Host-side index math in NumPy: for the few dozen to thousand elements of a step it
+    runs in microseconds, where each torch op costs several (this runs every step)."""
+    n = len(chunks)
     token_ids: list[int] = []
-    for c in chunks:
+    q_lens, starts = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i, c in enumerate(chunks):
         start = c.state.num_computed_tokens
+        q_lens[i], starts[i] = c.num_tokens, start
         token_ids.extend(c.state.all_token_ids[start : start + c.num_tokens])
-    q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.state.num_computed_tokens for c in chunks], dtype=torch.long)
-    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.long)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
-    rows = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-    positions = starts[rows] + torch.arange(len(token_ids)) - cu_q[rows]
-    return StepTokens(token_ids, q_lens, starts, cu_q, rows, positions)
+    cu_q = np.zeros(n + 1, np.int64)
+    np.cumsum(q_lens, out=cu_q[1:])
+    rows = np.repeat(np.arange(n), q_lens)
+    positions = starts[rows] + np.arange(len(token_ids)) - cu_q[rows]
+    return StepTokens(token_ids, *(torch.from_numpy(x) for x in (q_lens, starts, cu_q, rows, positions)))
+
+
+def table_array(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one int32 array, rows padded with block 0 (never read: lengths bound
+    every read)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    table = np.zeros((len(tables), int(lens.max())), np.int32)
+    table[np.arange(table.shape[1]) < lens[:, None]] = list(chain.from_iterable(tables))
+    return table
 
 
 def build_flat_batch(
@@ -82,33 +96,30 @@ def build_flat_batch(
     """`tables[i]` is the block table of `plan.chunks[i]`; `prev_rows` maps a request id to its
     row among the sampled tokens of the step still in flight, for its placeholder."""
     chunks = plan.chunks
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-
+    table = table_array(tables)
     step = step_tokens(chunks)
-    ids = torch.tensor(step.token_ids, dtype=torch.long)
-    rows, cu_q = step.rows, step.cu_q
-
+    rows, positions, cu_q = step.rows.numpy(), step.positions.numpy(), step.cu_q.numpy()
+    ids = np.array(step.token_ids, np.int64)
+    carry = np.full_like(ids, -1)
     waiting = ids == PLACEHOLDER
-    carry = torch.full_like(ids, -1)
-    if bool(waiting.any()):
+    if waiting.any():
         prev_rows = prev_rows or {}
-        prev = torch.tensor([prev_rows.get(c.state.request_id, -1) for c in chunks], dtype=torch.long)
-        carry = torch.where(waiting, prev[rows], carry)
-        if bool((carry[waiting] < 0).any()):
+        prev = np.fromiter((prev_rows.get(c.state.request_id, -1) for c in chunks), np.int64, len(chunks))
+        carry[waiting] = prev[rows[waiting]]
+        if (carry[waiting] < 0).any():
             raise RuntimeError("a placeholder token has no step in flight to take its value from")
-        ids = ids.masked_fill(waiting, 0)
-
+        ids[waiting] = 0
+    write_slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     sampled_rows = [i for i, c in enumerate(chunks) if c.samples]
     return FlatBatch(
-        input_ids=ids,
-        carry=carry,
+        input_ids=torch.from_numpy(ids),
+        carry=torch.from_numpy(carry),
         positions=step.positions,
-        write_slots=step.write_slots(table, block_size),
-        cu_seqlens_q=cu_q.to(torch.int32),
-        kv_lens=(step.starts + step.q_lens).to(torch.int32),
-        block_table=table,
-        logits_indices=cu_q[1:][sampled_rows] - 1 if sampled_rows else torch.zeros(0, dtype=torch.long),
+        write_slots=torch.from_numpy(write_slots),
+        cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
+        kv_lens=torch.from_numpy((step.starts.numpy() + step.q_lens.numpy()).astype(np.int32)),
+        block_table=torch.from_numpy(table),
+        logits_indices=torch.from_numpy(cu_q[1:][sampled_rows] - 1),
         sampled=[chunks[i].state for i in sampled_rows],
         chunks=list(chunks),
     )

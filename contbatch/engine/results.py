@@ -53,6 +53,8 @@ class ResultStore:
         return self._cond
 
     def publish(self, state: RequestState, parent_id: str) -> None:
+        if not (state.status.is_done or self.handlers or parent_id in self._streams):
+            return  # nobody reads a chunk of this one: its snapshot would be thrown away
         out = state.to_output()
         if parent_id != state.request_id:
             out = dataclasses.replace(out, request_id=parent_id)

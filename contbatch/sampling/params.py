@@ -88,6 +88,19 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing that moves the argmax and no logprobs: one argmax is all."""
+        return (
+            self.temperature == 0
+            and not self.logit_bias
+            and self.repetition_penalty in (None, 1.0)
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and not self.min_new_tokens
+            and not self.wants_logprobs
+        )
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
