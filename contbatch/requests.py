@@ -29,10 +29,9 @@ class RequestStatus(str, Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def is_done(self) -> bool:
-        # Identity checks: asked several times per request per step, and Enum `in` is slow.
-        return self is RequestStatus.FINISHED or self is RequestStatus.FAILED or self is RequestStatus.CANCELLED
+    def __init__(self, value: str) -> None:
+        # A plain attribute rather than a property: it is read several times per request per step.
+        self.is_done: bool = value in ("finished", "failed", "cancelled")
 
 
 @dataclass
@@ -167,6 +166,7 @@ class RequestState:
     def soft_reset(self) -> None:
         """Forget the KV: generated tokens stay in `all_token_ids` and get recomputed."""
         self.num_computed_tokens = 0
+        self.committed_tokens = 0  # its published blocks stay cached; its own count restarts
         self.status = RequestStatus.PENDING
         self.soft_resets += 1
 

@@ -23,8 +23,7 @@ from ..attention.kernels import AttentionKernels
 from ..attention.metadata import FlatMetadata
 from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache
-from ..requests import RequestState
-from ..sampling.sampler import SampleRequest, SampleResult, Sampler
+from ..sampling.sampler import SampleResult, Sampler
 from .buckets import Bucketing, StepShape, pad_batch, round_up
 from .flat_batch import FlatBatch, apply_carry
 from .graphs import GraphCache
@@ -238,8 +237,7 @@ class FlatRunner:
         states = step.batch.sampled
         with s.on("compute"):
             start = s.record("compute", timing=True)
-            requests = [_sample_request(st) for st in states]
-            result = self.sampler(step.logits[: len(states)], requests)
+            result = self.sampler.sample_states(step.logits[: len(states)], states)
             step.slot.tokens[: len(states)].copy_(result.tokens)
             step.events.append((start, s.record("compute", timing=True)))
             step.slot.compute_done = s.record("compute")
@@ -256,10 +254,6 @@ class FlatRunner:
         if step.shape.decode_only:
             self.decode_seconds += busy
         return step.result
-
-
-def _sample_request(state: RequestState) -> SampleRequest:
-    return SampleRequest(state.params, state.prompt_ids, state.known_tokens, state.eos_token_ids)
 
 
 def _extras(result: SampleResult) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import ENGINE_MASK
-from ..sampling.sampler import SampleRequest, SampleResult, Sampler
+from ..sampling.sampler import SampleResult, Sampler
 from .batch import ModelInputs
 
 
@@ -25,7 +25,4 @@ class ModelRunner:
             use_cache=False,
             cb_meta=inputs.meta,
         )
-        requests = [
-            SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in inputs.sampled
-        ]
-        return self.sampler(out.logits[0], requests)
+        return self.sampler.sample_states(out.logits[0], inputs.sampled)

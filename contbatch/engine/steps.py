@@ -35,18 +35,24 @@ class StepsMixin:
         except Exception as exc:
             self._fail_chunks([c.state for c in plan.chunks], exc)
             return
-        block_manager = self.cache.block_manager
         for chunk in inputs.chunks:
             state = chunk.state
             state.num_computed_tokens += chunk.num_tokens
-            state.committed_tokens = state.num_computed_tokens
-            block_manager.commit(state.request_id, state.all_token_ids, state.num_computed_tokens)
+            self._commit(state, state.num_computed_tokens)
         self._record_logprobs(inputs.sampled, result)
         for state, token in zip(inputs.sampled, tokens):
             state.append_token(token)
             self._after_token(state)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
+
+    def _commit(self, state: RequestState, upto: int) -> None:
+        """Publish the request's blocks completed within `upto` tokens to the prefix cache;
+        most steps complete no block, and then there is nothing to hash."""
+        bs = self.cache.block_size
+        if upto // bs != state.committed_tokens // bs:
+            self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
+        state.committed_tokens = upto
 
     def _move_kv(self, plan) -> None:
         # Offloaded blocks may already be promised to others: copy out before anything else.
@@ -120,13 +126,12 @@ class StepsMixin:
         if step.shape.decode_only:
             self.decode_only_steps += 1
             self.decode_only_rows += step.batch.num_requests
-        bm = self.cache.block_manager
         for chunk, computed in zip(step.batch.chunks, step.computed):
             state = chunk.state
             if not state.status.is_done:  # never past what is launched: a reset may have shrunk it
-                state.committed_tokens = min(computed, state.num_computed_tokens)
-                bm.commit(state.request_id, state.all_token_ids, state.committed_tokens)
-        self._record_logprobs(step.batch.sampled, result, live=[not s.status.is_done for s in step.batch.sampled])
+                self._commit(state, min(computed, state.num_computed_tokens))
+        if result.logprobs is not None:
+            self._record_logprobs(step.batch.sampled, result, [not s.status.is_done for s in step.batch.sampled])
         for state, index, token in zip(step.batch.sampled, step.token_index, tokens):
             if state.status.is_done:
                 continue

@@ -170,8 +170,15 @@ class Sampler:
                 noise[i] = torch.empty(vocab).exponential_(generator=g)
         return noise.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else noise
 
+    def sample_states(self, logits: torch.Tensor, states) -> SampleResult:
+        """Sample for engine request states (`params`, `prompt_ids`, `known_tokens`,
+        `eos_token_ids`); plain greedy rows, the common case, skip building any history."""
+        if all(s.params.plain_greedy for s in states):
+            return SampleResult(logits.argmax(dim=-1))
+        return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in states])
+
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
-        if all(r.params.plain_greedy for r in reqs):  # the common case: skip every processor
+        if all(r.params.plain_greedy for r in reqs):  # skip every processor
             return SampleResult(logits.argmax(dim=-1))
         logits = logits.float()
         apply_logit_bias(logits, reqs)

@@ -1,0 +1,104 @@
+"""Host time per engine step, outside the model's forward: what async batching must hide.
+
+On a GPU a decode step of a ~1B model at batch 64 takes about half a millisecond of device
+time (its weights, ~2 GB, over ~4 TB/s), so the host work of a step (scheduling, building
+and padding the batch, sampling bookkeeping, applying tokens) must stay below that for the
+GPU never to wait. This measures that host work on the CPU with the GPU layout (`reference`
+backend, async batching) and a one-layer model, as engine-thread CPU time per step minus
+the forward's, for several batch sizes. Run on a quiet machine; it prints a Markdown table.
+
+    .venv/bin/python benchmarks/host_overhead.py --batches 16 64 256 --new-tokens 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager  # noqa: E402
+from contbatch.engine import flat_batch, flat_runner, steps  # noqa: E402
+from contbatch.scheduling import scheduler  # noqa: E402
+
+PHASES = {
+    "step": (steps.StepsMixin, "_step_flat"),
+    "schedule": (scheduler.Scheduler, "schedule"),
+    "build": (steps, "build_flat_batch"),
+    "launch": (flat_runner.FlatRunner, "launch"),
+    "forward": (flat_runner.FlatRunner, "_forward"),
+    "sample": (flat_runner.FlatRunner, "sample"),
+    "apply": (steps.StepsMixin, "_finish_flat"),
+}
+
+
+def instrument(totals: dict[str, float]) -> None:
+    """Wrap each phase to add its engine-thread CPU time (not wall time: the machine is noisy)."""
+    for name, (owner, attr) in PHASES.items():
+        inner = getattr(owner, attr)
+
+        def timed(*args, _inner=inner, _name=name, **kwargs):
+            start = time.thread_time()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                totals[_name] = totals.get(_name, 0.0) + time.thread_time() - start
+
+        setattr(owner, attr, timed)
+
+
+def tiny_model() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def measure(model, batch: int, new_tokens: int, totals: dict[str, float]) -> dict[str, float]:
+    totals.clear()
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(16)] for i in range(batch)]
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    config = ContinuousBatchingConfig(block_size=16, attention_backend="reference", use_async_batching=True)
+    manager = ContinuousBatchingManager(model, gc, config)
+    manager.start()
+    for rid in manager.add_requests(prompts):
+        manager.get_result(rid, timeout=600)
+    steps_run = manager.stats()["steps"]
+    manager.stop()
+    per_step = {k: v / steps_run * 1e3 for k, v in totals.items()}
+    per_step["host"] = per_step["step"] - per_step["forward"]
+    return per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--new-tokens", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    totals: dict[str, float] = {}
+    instrument(totals)
+    model = tiny_model()
+    measure(model, 8, 4, totals)  # warm-up
+    cols = ["host", "schedule", "build", "launch", "sample", "apply", "forward"]
+    print(f"load average {Path('/proc/loadavg').read_text().split()[0]}; CPU ms per step (best of {args.repeats})")
+    print("| requests | " + " | ".join(cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for batch in args.batches:
+        best = min((measure(model, batch, args.new_tokens, totals) for _ in range(args.repeats)), key=lambda r: r["host"])
+        launch_only = best["launch"] - best["forward"]
+        row = [best["host"], best["schedule"], best["build"], launch_only, best["sample"], best["apply"], best["forward"]]
+        print(f"| {batch} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
+    print("launch excludes the forward; host = step - forward (build is part of host, not of launch)")
+
+
+if __name__ == "__main__":
+    main()
