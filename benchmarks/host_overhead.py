@@ -23,7 +23,7 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager  # noqa: E402
-from contbatch.engine import flat_batch, flat_runner, steps  # noqa: E402
+from contbatch.engine import flat_runner, steps  # noqa: E402
 from contbatch.scheduling import scheduler  # noqa: E402
 
 PHASES = {

@@ -25,6 +25,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash", "reference")
 DEFAULT_Q_PADDING_INTERVAL = 64
 DEFAULT_KV_PADDING_INTERVAL = 256
 DEFAULT_MAX_CACHED_GRAPHS = 32
+# Varlen steps padded past this many tokens run eagerly: their compute hides the launch cost,
+# and each of their many shapes would cost a capture (and graph-pool memory).
+DEFAULT_CUDA_GRAPH_MAX_TOKENS = 1024
 DEFAULT_SAFETY_MARGINS = {"fifo": 0.15, "prefill_first": 0.0}
 
 
@@ -59,6 +62,7 @@ class ContinuousBatchingConfig:
     q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL  # varlen graphs: query tokens bucket
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL  # varlen graphs: KV length bucket
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
+    cuda_graph_max_tokens: int = DEFAULT_CUDA_GRAPH_MAX_TOKENS  # larger varlen steps run eagerly
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -93,7 +97,7 @@ class ContinuousBatchingConfig:
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
+        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_size < 0:
@@ -130,6 +134,7 @@ class ResolvedConfig:
     q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
+    cuda_graph_max_tokens: int = DEFAULT_CUDA_GRAPH_MAX_TOKENS  # larger varlen steps run eagerly
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

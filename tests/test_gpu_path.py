@@ -109,6 +109,9 @@ def test_flat_batch_and_padding_point_padding_at_trash():
     assert padded["block_table"][0].tolist() == [3, 7, 10] and padded["block_table"][5].tolist() == [10, 10, 10]
     assert padded["cu_seqlens_k"].tolist() == [0, 5, 8] + [8] * 6
     assert bucketing.exact(batch) == StepShape(False, 4, 2, 3, 5)
+    small = Bucketing(16, 8, 32, tiles_for=None, kv_keyed=False, graph_max_tokens=8)
+    assert small.graphable(batch)  # 4 tokens pad to 8
+    assert not small.graphable(build_flat_batch(_plan(("c", list(range(9)), 0, 9)), [[1, 2, 3]], bs))
 
     decode = build_flat_batch(_plan(("a", [5, 6, 7], 2, 1), ("b", [1, 2], 1, 1), ("c", [4], 0, 1)), [[1], [2], [3]], bs)
     dshape = bucketing.padded(decode)
@@ -286,6 +289,7 @@ def test_async_early_stops_and_pressure_stay_exact(llama_model):
         config = ContinuousBatchingConfig(
             block_size=4, num_blocks=24, max_batch_tokens=32, attention_backend="reference",
             use_async_batching=True, safety_margin=0.0, cpu_offload_space=offload,
+            cuda_graph_max_tokens=16,  # larger varlen steps run eagerly, between replayed graphs
         )
         outs, stats = _flat_run(llama_model, prompts, 12, config, graphs=True, eos=eos)
         assert stats["offloads"] + stats["soft_resets"] > 0

@@ -50,6 +50,10 @@ class Bucketing:
     tiles_for: Callable[[int, int], int] | None  # (tokens, requests) -> tile bound, if tiled
     kv_keyed: bool  # the backend's launch takes the key-length bound from the host
     fast_decode: bool = True  # decode-only steps take the decode kernel (else the varlen one)
+    graph_max_tokens: int = 1 << 62  # varlen steps padded past this run eagerly, unpadded
+
+    def graphable(self, batch: FlatBatch) -> bool:
+        return batch.decode_only or round_up(batch.num_tokens, self.q_interval) <= self.graph_max_tokens
 
     def _tiles(self, decode_only: bool, tokens: int, requests: int) -> int:
         if self.tiles_for is None or (decode_only and self.fast_decode):

@@ -150,14 +150,17 @@ class FlatRunner:
         return IOSlot(index, device, host, torch.zeros(b, dtype=torch.long, device=dev))
 
     # -- launch --------------------------------------------------------------------------
-    def shape_of(self, batch: FlatBatch) -> StepShape:
-        return self.bucketing.padded(batch) if self.graphs is not None else self.bucketing.exact(batch)
+    def shape_of(self, batch: FlatBatch) -> tuple[StepShape, bool]:
+        """The step's shape, and whether it runs as a graph (padded to a bucket)."""
+        if self.graphs is not None and self.bucketing.graphable(batch):
+            return self.bucketing.padded(batch), True
+        return self.bucketing.exact(batch), False
 
     @torch.inference_mode()
     def launch(self, batch: FlatBatch, prev: InFlight | None) -> InFlight:
         slot = self.slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.slots)
-        shape = self.shape_of(batch)
+        shape, graphed = self.shape_of(batch)
         host = pad_batch(batch, shape, self.table_width, self.cache.num_blocks, self.cache.write_trash_slot)
         none = torch.zeros(0, dtype=torch.int32)
         host["tile_request"], host["tile_start"] = (
@@ -172,7 +175,7 @@ class FlatRunner:
             start = s.record("compute", timing=True)
             if prev is not None:
                 apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
-            logits = self._forward(slot, shape, views)
+            logits = self._forward(slot, shape, views, graphed)
             events = [(start, s.record("compute", timing=True))]
         computed = [c.state.num_computed_tokens + c.num_tokens for c in batch.chunks]
         return InFlight(batch, shape, slot, logits, computed, events=events)
@@ -192,7 +195,7 @@ class FlatRunner:
                 device[name].copy_(view, non_blocking=True)
             slot.h2d_done = s.record("h2d")
 
-    def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor], graphed: bool) -> torch.Tensor:
         meta = FlatMetadata(
             cache=self.cache,
             kernels=self.kernels,
@@ -219,7 +222,7 @@ class FlatRunner:
             )
             return out.logits[0]
 
-        if self.graphs is None:
+        if not graphed:
             return run()
         key = (slot.index, shape)
         logits = self.graphs.replay(key)

@@ -23,12 +23,18 @@ Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], 
 
 
 def capture_cuda_graph(run: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-    """Record `run` into a CUDA graph on the current stream. The caller has already run it
-    once eagerly on the same buffers (lazy init, Triton compilation, cuBLAS workspaces)."""
+    """Record `run` into a CUDA graph on the current (compute) stream. The caller has already
+    run it once eagerly on the same buffers (lazy init, Triton compilation, cuBLAS
+    workspaces). `capture_begin` directly rather than `torch.cuda.graph`, which also runs a
+    full `gc.collect()` and empties the allocator cache on every capture; "thread_local" so
+    CUDA calls on other threads (a user's own model calls) do not break the capture."""
     graph = torch.cuda.CUDAGraph()
-    # thread_local: HTTP threads may touch CUDA (tokenizing never does, but be safe) meanwhile.
-    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+    torch.cuda.current_stream().synchronize()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
         output = run()
+    finally:
+        graph.capture_end()
     return graph.replay, output
 
 

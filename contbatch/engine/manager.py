@@ -110,6 +110,7 @@ class ContinuousBatchingManager(StepsMixin):
         bucketing = Bucketing(
             r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
             kernels.max_varlen_tiles, kernels.kv_keyed, fast_decode=kernels.decode is not None,
+            graph_max_tokens=r.cuda_graph_max_tokens,
         )
         if r.use_cuda_graph:
             self._graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())

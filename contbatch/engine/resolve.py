@@ -138,6 +138,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         q_padding_interval_size=cfg.q_padding_interval_size,
         kv_padding_interval_size=cfg.kv_padding_interval_size,
         max_cached_graphs=cfg.max_cached_graphs,
+        cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
     )
     return resolved, layout
 
@@ -154,7 +155,14 @@ def describe(resolved: ResolvedConfig) -> str:
         f"safety_margin={resolved.safety_margin} attention={resolved.attention_backend} "
         f"decode_fast_path={resolved.decode_fast_path} cuda_graphs={resolved.use_cuda_graph} "
         f"async_batching={resolved.use_async_batching} kv_layout={resolved.kv_layout} "
-        f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
+        + (
+            f"(graphs: decode buckets powers of two, varlen q/kv intervals {resolved.q_padding_interval_size}/"
+            f"{resolved.kv_padding_interval_size} up to {resolved.cuda_graph_max_tokens} tokens, "
+            f"LRU of {resolved.max_cached_graphs}) "
+            if resolved.use_cuda_graph
+            else ""
+        )
+        + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}) "
         f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks)"
         + "".join(f"; note: {n}" for n in resolved.notes)
