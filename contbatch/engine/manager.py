@@ -274,6 +274,10 @@ class ContinuousBatchingManager(StepsMixin):
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        with torch.inference_mode():  # once for the thread, not per step
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 busy = self.scheduler.has_work() or self._inflight is not None

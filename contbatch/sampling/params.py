@@ -7,6 +7,7 @@ the engine never has to guess and never silently ignores a value it accepted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
@@ -87,9 +88,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
+    @functools.cached_property
     def plain_greedy(self) -> bool:
-        """Greedy, with nothing that moves the argmax and no logprobs: one argmax is all."""
+        """Greedy, with nothing that moves the argmax and no logprobs: one argmax is all.
+        Cached (the params are frozen): it is asked for every request at every step."""
         return (
             self.temperature == 0
             and not self.logit_bias
