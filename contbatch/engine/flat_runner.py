@@ -83,14 +83,22 @@ class IOSlot:
     tokens: torch.Tensor  # sampled tokens of the slot's last step, read by the next step's carry
     h2d_done: object = None  # event: the staging may be rewritten once it has passed
     compute_done: object = None  # event: the device buffers are free once it has passed
+    _views: dict = field(default_factory=dict)
 
     def views(self, shape: StepShape, which: str = "device") -> dict[str, torch.Tensor]:
+        """The buffers cut to `shape` (cached: the same shapes come back step after step)."""
+        cached = self._views.get((shape, which))
+        if cached is not None:
+            return cached
         bufs = getattr(self, which)
         t, b = shape.num_tokens, shape.num_requests
         sizes = dict.fromkeys(("input_ids", "carry", "positions", "write_slots"), t)
         sizes.update(cu_seqlens_q=b + 1, cu_seqlens_k=b + 1, kv_lens=b, logits_indices=b, block_table=b)
         sizes.update(tile_request=shape.num_tiles, tile_start=shape.num_tiles)
-        return {name: bufs[name][:n] for name, n in sizes.items()}
+        views = {name: bufs[name][:n] for name, n in sizes.items()}
+        if len(self._views) < 256:  # exact (unpadded) shapes are many; keep the cache bounded
+            self._views[(shape, which)] = views
+        return views
 
 
 @dataclass
