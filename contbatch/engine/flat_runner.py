@@ -29,7 +29,6 @@ from .flat_batch import FlatBatch, apply_carry
 from .graphs import GraphCache
 
 _LONG = ("input_ids", "carry", "positions", "write_slots", "logits_indices")
-_INT = ("cu_seqlens_q", "cu_seqlens_k", "kv_lens", "tile_request", "tile_start")
 
 
 class Streams:
