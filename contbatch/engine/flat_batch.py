@@ -59,6 +59,7 @@ class StepTokens:
     cu_q: torch.Tensor  # [B + 1]
     rows: torch.Tensor  # [T]: the chunk of each token
     positions: torch.Tensor  # [T]
+    samples: np.ndarray  # [B] bool: the chunk reaches the end of the sequence, so it samples
 
     def write_slots(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
         return table[self.rows, self.positions // block_size].long() * block_size + self.positions % block_size
@@ -66,19 +67,28 @@ class StepTokens:
 
 def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
     """Host-side index math in NumPy: for the few dozen to thousand elements of a step it
-    runs in microseconds, where each torch op costs several (this runs every step)."""
-    n = len(chunks)
+    runs in microseconds, where each torch op costs several (this runs every step). One
+    pass of plain Python over the chunks, then array operations only."""
     token_ids: list[int] = []
-    q_lens, starts = np.empty(n, np.int64), np.empty(n, np.int64)
-    for i, c in enumerate(chunks):
-        start = c.state.num_computed_tokens
-        q_lens[i], starts[i] = c.num_tokens, start
-        token_ids.extend(c.state.all_token_ids[start : start + c.num_tokens])
-    cu_q = np.zeros(n + 1, np.int64)
-    np.cumsum(q_lens, out=cu_q[1:])
-    rows = np.repeat(np.arange(n), q_lens)
-    positions = starts[rows] + np.arange(len(token_ids)) - cu_q[rows]
-    return StepTokens(token_ids, *(torch.from_numpy(x) for x in (q_lens, starts, cu_q, rows, positions)))
+    q_lens: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    for c in chunks:
+        ids, start, n = c.state.all_token_ids, c.state.num_computed_tokens, c.num_tokens
+        if n == 1:
+            token_ids.append(ids[start])
+        else:
+            token_ids.extend(ids[start : start + n])
+        q_lens.append(n)
+        starts.append(start)
+        lengths.append(len(ids))
+    q, st = np.array(q_lens, np.int64), np.array(starts, np.int64)
+    cu_q = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum(q, out=cu_q[1:])
+    rows = np.repeat(np.arange(len(chunks)), q)
+    positions = st[rows] + np.arange(len(token_ids)) - cu_q[rows]
+    samples = st + q == np.array(lengths, np.int64)  # the chunk reaches the end: it samples
+    return StepTokens(token_ids, *(torch.from_numpy(x) for x in (q, st, cu_q, rows, positions)), samples)
 
 
 def table_array(tables: list[list[int]]) -> np.ndarray:
@@ -110,7 +120,7 @@ def build_flat_batch(
             raise RuntimeError("a placeholder token has no step in flight to take its value from")
         ids[waiting] = 0
     write_slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    sampled_rows = [i for i, c in enumerate(chunks) if c.samples]
+    sampled_rows = np.flatnonzero(step.samples)
     return FlatBatch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
@@ -120,7 +130,7 @@ def build_flat_batch(
         kv_lens=torch.from_numpy((step.starts.numpy() + step.q_lens.numpy()).astype(np.int32)),
         block_table=torch.from_numpy(table),
         logits_indices=torch.from_numpy(cu_q[1:][sampled_rows] - 1),
-        sampled=[chunks[i].state for i in sampled_rows],
+        sampled=[chunks[i].state for i in sampled_rows.tolist()],
         chunks=list(chunks),
     )
 
