@@ -7,8 +7,9 @@
 #
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
 #
-# then give_back. Worst case ~470 s (the two parts' timeouts, 190 + 255 s, plus ~25 s of wheel
-# install and version checks); typically less. What comes back under $OUT (6 files):
+# then give_back. Worst case ~505 s (the two parts' timeouts, 190 + 255 s, 35 s of host-overhead
+# measurement, ~25 s of wheel install and version checks); typically less. What comes back under
+# $OUT (7 files; host_overhead.md is the engine's CPU time per step on that machine's host):
 # gpu_check.log (everything printed), env.txt (nvidia-smi, versions), gpu_results.md (the tables,
 # to paste into benchmarks/RESULTS.md), gpu_results.json (raw, merged) and gpu_part_exact.json /
 # gpu_part_throughput.json (each part's raw results, written as it goes: kept on a timeout).
@@ -94,6 +95,11 @@ for part in $PARTS; do
   esac
   if (( rc == 0 )); then rc=$prc; fi
 done
+# The engine's host work per step on this machine's CPU (what async batching must hide behind
+# each device step); informational, never fails the check.
+echo "== host_overhead.py (timeout 35s)"
+timeout --signal=TERM --kill-after=5 35 "$PY" -u benchmarks/host_overhead.py --batches 64 256 --new-tokens 40 \
+  --repeats 1 2>&1 | tee "$OUTDIR/host_overhead.md" || echo "== host_overhead.py did not finish (informational)"
 mrc=0
 "$PY" -u benchmarks/gpu_check.py --merge --out-dir "$OUTDIR" || mrc=$?
 if (( rc == 0 )); then rc=$mrc; fi
