@@ -424,3 +424,60 @@ def test_triton_kernels_in_the_engine(llama_model, fast_path):
     for prompt, out in zip(prompts, outs):
         assert out.generated_tokens == reference_generate(llama_model, prompt, 5)
     assert stats["decode_only_steps"] > 0
+
+
+def test_flash_backend_wiring_with_a_stand_in(llama_model, monkeypatch):
+    """flash-attn is not installed here; a stand-in with its paged calling convention
+    (token-major `[blocks, block_size, H_kv, D]` caches, `cu_seqlens_k`, `(left, right)`
+    windows, softcap 0.0 for none) checks our adapters, the token-major cache and the
+    key-length buckets end to end. Its arithmetic is the reference kernels'."""
+    import sys
+    import types
+
+    from contbatch.attention import varlen_reference as ref
+    from contbatch.attention.backend import BackendChoice
+    from contbatch.engine import resolve
+
+    calls = {"varlen": 0, "decode": 0}
+
+    def logical(cache):  # [blocks, bs, H_kv, D] -> [H_kv, slots, D]
+        return cache.reshape(-1, cache.shape[2], cache.shape[3]).transpose(0, 1)
+
+    def window(size):
+        assert size[1] in (0, -1)
+        return None if size[0] < 0 else size[0] + 1
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap,
+                               block_table):
+        calls["varlen"] += 1
+        assert causal and max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
+        kv_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+        return ref.reference_varlen_attention(
+            q, logical(k), logical(v), block_table, kv_lens, cu_q, scale=softmax_scale,
+            sliding_window=window(window_size), softcap=softcap or None, block_size=k.shape[1],
+        )
+
+    def flash_attn_with_kvcache(q, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap):
+        calls["decode"] += 1
+        out = ref.reference_decode_attention(
+            q[:, 0], logical(k), logical(v), block_table, cache_seqlens, softmax_scale, window(window_size),
+            softcap or None, block_size=k.shape[1],
+        )
+        return out.unsqueeze(1)
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func, fake.flash_attn_with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.delitem(sys.modules, "contbatch.attention.flash", raising=False)
+    choice = BackendChoice("flash", 8, True, False, True, "token-major")
+    monkeypatch.setattr(resolve, "choose_backend", lambda *args: choice)
+
+    prompts = random_prompts(8, 1, 40, seed=33)
+    config = ContinuousBatchingConfig(block_size=8, max_batch_tokens=32, kv_padding_interval_size=16)
+    try:
+        outs, stats = _flat_run(llama_model, prompts, 7, config, graphs=True)
+    finally:
+        sys.modules.pop("contbatch.attention.flash", None)  # it was bound to the stand-in
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 7)
+    assert calls["varlen"] > 0 and calls["decode"] > 0 and stats["decode_only_steps"] > 0
