@@ -230,7 +230,7 @@ def _flat_run(model, prompts, max_new, config, graphs=False, streams=None, eos=N
     manager.start()
     try:
         if graphs:  # the padded, fixed-buffer path of CUDA graphs, replayed eagerly
-            manager._graphs = manager._flat.graphs = GraphCache(3, eager_capture)
+            manager._flat.graphs = GraphCache(3, eager_capture)
         if streams is not None:
             manager._flat.streams = streams
         ids = manager.add_requests(prompts, sampling_params=params)

@@ -30,36 +30,31 @@ class AttentionKernels:
     kv_keyed: bool = False  # the launch takes the longest key length from the host
 
 
+def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -> tuple[Kernel, Kernel]:
+    """Our Triton kernels and their PyTorch reference share one signature: one adapter."""
+
+    def decode(q, k, v, meta, scale, window, softcap):
+        return decode_fn(q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size)
+
+    def varlen(q, k, v, meta, scale, window, softcap):
+        return varlen_fn(
+            q, k, v, meta.block_table, meta.kv_lens, meta.cu_seqlens_q, meta.tile_request, meta.tile_start,
+            scale, window, softcap, out=torch.zeros_like(q), block_size=block_size,
+        )  # zeros: padding rows past the last request stay finite
+
+    return decode, varlen
+
+
 def load_kernels(name: str, decode_fast_path: bool, block_size: int) -> AttentionKernels:
     if name == "triton":
         from . import triton_kernels as tk
 
-        def decode(q, k, v, meta, scale, window, softcap):
-            return tk.paged_decode_attention(
-                q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size
-            )
-
-        def varlen(q, k, v, meta, scale, window, softcap):
-            return tk.paged_varlen_attention(
-                q, k, v, meta.block_table, meta.kv_lens, meta.cu_seqlens_q, meta.tile_request, meta.tile_start,
-                scale, window, softcap, out=torch.zeros_like(q), block_size=block_size,
-            )  # zeros: padding rows past the last request stay finite
-
+        decode, varlen = _paged_adapters(tk.paged_decode_attention, tk.paged_varlen_attention, block_size)
         return AttentionKernels(name, decode if decode_fast_path else None, varlen, tk.varlen_tiles, tk.max_varlen_tiles)
     if name == "reference":
         from . import varlen_reference as ref
 
-        def decode(q, k, v, meta, scale, window, softcap):
-            return ref.reference_decode_attention(
-                q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size
-            )
-
-        def varlen(q, k, v, meta, scale, window, softcap):
-            return ref.reference_varlen_attention(
-                q, k, v, meta.block_table, meta.kv_lens, meta.cu_seqlens_q, scale=scale, sliding_window=window,
-                softcap=softcap, block_size=block_size,
-            )
-
+        decode, varlen = _paged_adapters(ref.reference_decode_attention, ref.reference_varlen_attention, block_size)
         return AttentionKernels(name, decode if decode_fast_path else None, varlen)
     if name == "flash":
         from .flash import flash_decode, flash_varlen

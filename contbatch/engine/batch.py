@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention.metadata import BatchMetadata, DecodeGroup, PrefillRow
@@ -60,7 +61,7 @@ def build_batch(plan: StepPlan, cache: PagedAttentionCache) -> ModelInputs:
             kv_index = cache.gather_index(table[i, key_pos // bs] * bs + key_pos % bs).to(device)
         prefill_rows.append(PrefillRow(int(cu_q[i]), chunks[i].num_tokens, kv_len, kv_index))
 
-    sampled_rows = [i for i, c in enumerate(chunks) if c.samples]
+    sampled_rows = np.flatnonzero(step.samples).tolist()
     logits_indices = cu_q[1:][sampled_rows] - 1 if sampled_rows else torch.zeros(0, dtype=torch.long)
     meta = BatchMetadata(
         cache=cache,

@@ -108,7 +108,7 @@ def build_flat_batch(
     chunks = plan.chunks
     table = table_array(tables)
     step = step_tokens(chunks)
-    rows, positions, cu_q = step.rows.numpy(), step.positions.numpy(), step.cu_q.numpy()
+    rows, cu_q = step.rows.numpy(), step.cu_q.numpy()
     ids = np.array(step.token_ids, np.int64)
     carry = np.full_like(ids, -1)
     waiting = ids == PLACEHOLDER
@@ -119,13 +119,12 @@ def build_flat_batch(
         if (carry[waiting] < 0).any():
             raise RuntimeError("a placeholder token has no step in flight to take its value from")
         ids[waiting] = 0
-    write_slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     sampled_rows = np.flatnonzero(step.samples)
     return FlatBatch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
         positions=step.positions,
-        write_slots=torch.from_numpy(write_slots),
+        write_slots=step.write_slots(torch.from_numpy(table), block_size),
         cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
         kv_lens=torch.from_numpy((step.starts.numpy() + step.q_lens.numpy()).astype(np.int32)),
         block_table=torch.from_numpy(table),

@@ -59,7 +59,6 @@ class ContinuousBatchingManager(StepsMixin):
         self._runner = ModelRunner(model)
         self._flat: FlatRunner | None = None  # the GPU-layout runner, for flat-metadata backends
         self._inflight: InFlight | None = None  # async batching: the step whose tokens are not read yet
-        self._graphs: GraphCache | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
@@ -112,11 +111,12 @@ class ContinuousBatchingManager(StepsMixin):
             kernels.max_varlen_tiles, kernels.kv_keyed, fast_decode=kernels.decode is not None,
             graph_max_tokens=r.cuda_graph_max_tokens,
         )
+        graphs = None
         if r.use_cuda_graph:
-            self._graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
+            graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
         return FlatRunner(
             self.model, self.cache, kernels, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
-            num_slots=2 if r.use_async_batching else 1, graphs=self._graphs,
+            num_slots=2 if r.use_async_batching else 1, graphs=graphs,
         )
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
@@ -335,16 +335,14 @@ class ContinuousBatchingManager(StepsMixin):
         self._host_kv.clear()
         self._inflight = None  # its requests are among those failed here
         for state in pending:
-            if self.scheduler is not None:
-                self.scheduler.remove(state.request_id)
-            state.finish(RequestStatus.FAILED, "error", reason)
-            self._publish(state)
+            self._fail(state, reason)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters for tests, logs and the server's metrics (read without locking: a
         snapshot may mix values from two consecutive steps)."""
         sched, cache = self.scheduler, self.cache
+        graphs = self._flat.graphs if self._flat else None
         bm = cache.block_manager if cache else None
         queries = bm.prefix_queries if bm else 0
         hits = bm.prefix_hits if bm else 0
@@ -366,6 +364,6 @@ class ContinuousBatchingManager(StepsMixin):
             "decode_only_rows": self.decode_only_rows,
             "gpu_busy_seconds": self._flat.busy_seconds if self._flat else 0.0,
             "gpu_decode_seconds": self._flat.decode_seconds if self._flat else 0.0,
-            "graph_captures": self._graphs.captures if self._graphs else 0,
-            "graph_replays": self._graphs.replays if self._graphs else 0,
+            "graph_captures": graphs.captures if graphs else 0,
+            "graph_replays": graphs.replays if graphs else 0,
         }

@@ -141,12 +141,16 @@ class StepsMixin:
     def _fail_chunks(self, states: list[RequestState], exc: Exception) -> None:
         logger.exception("step failed; failing its %d requests", len(states))
         for state in states:
-            if state.status.is_done:
-                continue
-            self._host_kv.pop(state.request_id, None)
+            if not state.status.is_done:
+                self._fail(state, f"step failed: {exc!r}")
+
+    def _fail(self, state: RequestState, reason: str) -> None:
+        """End a request as FAILED wherever it is: queue, running set or host tier."""
+        self._host_kv.pop(state.request_id, None)
+        if self.scheduler is not None:
             self.scheduler.remove(state.request_id)
-            state.finish(RequestStatus.FAILED, "error", f"step failed: {exc!r}")
-            self._publish(state)
+        state.finish(RequestStatus.FAILED, "error", reason)
+        self._publish(state)
 
     @staticmethod
     def _record_logprobs(states: list[RequestState], result, live: list[bool] | None = None) -> None:

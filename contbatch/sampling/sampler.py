@@ -178,8 +178,6 @@ class Sampler:
         return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in states])
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
-        if all(r.params.plain_greedy for r in reqs):  # skip every processor
-            return SampleResult(logits.argmax(dim=-1))
         logits = logits.float()
         apply_logit_bias(logits, reqs)
         apply_repetition_penalty(logits, reqs)
