@@ -44,7 +44,7 @@ def build_batch(plan: StepPlan, cache: PagedAttentionCache) -> ModelInputs:
 
     step = step_tokens(chunks)
     token_ids, q_lens, starts, cu_q, positions = step.token_ids, step.q_lens, step.starts, step.cu_q, step.positions
-    write_slots = step.write_slots(table, bs)
+    write_slots = step.write_slots(table.numpy(), bs)
 
     num_decode = sum(1 for c in chunks if c.num_tokens == 1)
     kv_lens = starts + q_lens

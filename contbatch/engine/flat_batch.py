@@ -61,8 +61,10 @@ class StepTokens:
     positions: torch.Tensor  # [T]
     samples: np.ndarray  # [B] bool: the chunk reaches the end of the sequence, so it samples
 
-    def write_slots(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
-        return table[self.rows, self.positions // block_size].long() * block_size + self.positions % block_size
+    def write_slots(self, table: np.ndarray, block_size: int) -> torch.Tensor:
+        """Cache slot of each token's new K/V, in NumPy like the rest of the step's index math."""
+        rows, pos = self.rows.numpy(), self.positions.numpy()
+        return torch.from_numpy(table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size)
 
 
 def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
@@ -124,7 +126,7 @@ def build_flat_batch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
         positions=step.positions,
-        write_slots=step.write_slots(torch.from_numpy(table), block_size),
+        write_slots=step.write_slots(table, block_size),
         cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
         kv_lens=torch.from_numpy((step.starts.numpy() + step.q_lens.numpy()).astype(np.int32)),
         block_table=torch.from_numpy(table),
