@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from .config import ContinuousBatchingConfig
 from .engine.manager import ContinuousBatchingManager
 from .engine.stopping import stop_defaults
+from .engine.submission import as_token_ids
 from .requests import GenerationOutput
 from .sampling.params import SamplingParams
 
@@ -64,6 +65,7 @@ def generate_batch(
     `tokenizer` adds decoded text (and enables stop strings). Requests that fail are returned
     with status FAILED and their error, never dropped.
     """
+    inputs = [as_token_ids(x) for x in inputs]  # BatchEncodings, tensors: lengths for the hints
     per_input = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
     max_new = max(
         (p.max_new_tokens for p in per_input if p is not None and p.max_new_tokens),

@@ -50,6 +50,9 @@ class ContinuousBatchingConfig:
     # Prefix caching: share complete blocks across requests by content hash.
     allow_block_sharing: bool = True
     prefix_cache_eviction: str = "lru"  # "lru" (least recently released first) or "mru"
+    # A new request whose next prompt block another request is computing right now waits a
+    # step for it instead of computing it twice (a burst sharing a system prompt).
+    hold_shared_prefixes: bool = True
     # CPU offload tier for KV-pressure victims, in GiB (0 disables: soft reset instead).
     cpu_offload_space: float = 0.0
     cpu_offload_space_safety_threshold: float = 0.8
@@ -125,6 +128,7 @@ class ResolvedConfig:
     kv_cache_bytes: int
     prefix_sharing: bool
     prefix_cache_eviction: str
+    hold_shared_prefixes: bool
     cpu_offload_blocks: int
     cpu_offload_gib: float
     sliding_window_layers: int  # layers attending to a window rather than the whole sequence

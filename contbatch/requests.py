@@ -36,7 +36,12 @@ class RequestStatus(str, Enum):
 
 @dataclass
 class GenerationOutput:
-    """What a caller gets back: a snapshot, safe to hand to other threads."""
+    """What a caller gets back: a snapshot, safe to hand to other threads.
+
+    A final result holds the whole output. A streamed chunk (`is_finished` false) holds only
+    what is new since the previous chunk: `generated_tokens` (= `new_tokens`), `logprobs`,
+    `top_logprobs` and `delta_text`; `text` is None and `prompt_ids` is shared, read-only.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -49,7 +54,7 @@ class GenerationOutput:
     finished_at: float | None = None
     scheduled_at: float | None = None  # first time it was given a step: queue time ends here
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at that moment
-    text: str | None = None  # decoded output (needs a tokenizer), stop string removed
+    text: str | None = None  # final: decoded output (needs a tokenizer), stop string removed
     new_tokens: list[int] = field(default_factory=list)  # streaming: tokens since the last chunk
     delta_text: str = ""  # streaming: text since the last chunk
     logprobs: list[float] | None = None  # one per generated token
@@ -178,14 +183,19 @@ class RequestState:
         self.finished_at = time.time()
 
     def to_output(self) -> GenerationOutput:
+        """A snapshot for other threads. A streamed chunk (not final) carries only what is
+        new since the previous one, and shares the prompt list instead of copying it: a long
+        prompt streamed for many tokens would otherwise cost prompt x output memory."""
         known = self.known_tokens
-        new = known[self.published_tokens :]
-        self.published_tokens = len(known)
+        start, self.published_tokens = self.published_tokens, len(known)
+        new = known[start:]
         delta, self.delta_text = self.delta_text, ""
+        final = self.status.is_done
+        logprobs, top = self.logprobs, self.top_logprobs
         return GenerationOutput(
             request_id=self.request_id,
-            prompt_ids=list(self.prompt_ids),
-            generated_tokens=list(known),
+            prompt_ids=list(self.prompt_ids) if final else self.prompt_ids,
+            generated_tokens=list(known) if final else new,
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
@@ -194,10 +204,10 @@ class RequestState:
             finished_at=self.finished_at,
             scheduled_at=self.scheduled_at,
             cached_tokens=self.cached_tokens,
-            text=self.detokenizer.emitted if self.detokenizer is not None else None,
+            text=self.detokenizer.emitted if self.detokenizer is not None and final else None,
             new_tokens=new,
             delta_text=delta,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
+            logprobs=None if logprobs is None else list(logprobs) if final else logprobs[start:],
+            top_logprobs=None if top is None else list(top) if final else top[start:],
             index=self.index,
         )

@@ -143,6 +143,28 @@ def test_prefix_cache_on_off_identical_with_hits(llama_model):
         assert out == reference_generate(llama_model, prompt, 6)
 
 
+@pytest.mark.parametrize("async_flat", [False, True])
+def test_burst_sharing_a_prefix_computes_it_once(llama_model, async_flat):
+    """16 requests sharing a 40-token prefix, submitted at once and admitted together: one
+    computes the prefix, the others wait for it instead of recomputing it (without the hold,
+    0 of their lookups hit). Outputs stay exact."""
+    system = random_prompts(1, 40, 40, seed=5)[0]
+    prompts = [system + tail for tail in random_prompts(16, 3, 6, seed=6)]
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    flat = dict(attention_backend="reference", use_async_batching=True) if async_flat else {}
+    hits = {}
+    for hold in (False, True):
+        config = ContinuousBatchingConfig(block_size=4, hold_shared_prefixes=hold, **flat)
+        with continuous_batching(llama_model, gen, config) as m:
+            ids = m.add_requests(prompts)
+            outs = [m.get_result(rid, timeout=120).generated_tokens for rid in ids]
+            hits[hold] = m.stats()["prefix_cache_hits"], m.stats()["held_for_prefix"]
+        for prompt, out in list(zip(prompts, outs))[:4]:
+            assert out == reference_generate(llama_model, prompt, 4)
+    assert hits[False] == (0, 0)
+    assert hits[True][0] == 15 * 40 and hits[True][1] >= 15  # 10 shared blocks of 4 for each follower
+
+
 def test_fully_cached_prompt_still_computes_last_token(llama_model):
     prompt = random_prompts(1, 16, 16, seed=41)[0]  # exactly two 8-token blocks
     config = ContinuousBatchingConfig(block_size=8)

@@ -38,6 +38,11 @@ def manager(llama_model):
         (dict(input_ids=[-1, 5]), "outside the vocabulary"),
         (dict(input_ids=[5] * 500, max_new_tokens=20), "exceeds the model's context of 512"),
         (dict(input_ids=[5], max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(input_ids=[5.0, 6]), "must be integers"),
+        (dict(input_ids=[True, 6]), "must be integers"),
+        (dict(input_ids=torch.tensor([5.0, 6.0])), "must be integers"),
+        (dict(input_ids="hello"), "not text"),
+        (dict(input_ids=[[5, 6], [7, 8]]), "must be integers"),
     ],
 )
 def test_bad_input_is_rejected_and_engine_survives(manager, llama_model, kwargs, match):
@@ -118,11 +123,15 @@ def test_cancel_mid_generation_frees_blocks_and_spares_others(manager, llama_mod
 def test_streaming_yields_incremental_outputs(manager, llama_model):
     rid = manager.add_request([5, 6, 7, 8], max_new_tokens=6, streaming=True)
     chunks = list(manager.request_id_iter(rid, timeout=30))
-    lengths = [len(c.generated_tokens) for c in chunks]
-    assert lengths[-1] == 6 and lengths == sorted(lengths) and len(chunks) >= 6
+    assert len(chunks) >= 6 and len(chunks[-1].generated_tokens) == 6
     assert chunks[-1].status == RequestStatus.FINISHED
     assert chunks[-1].generated_tokens == reference_generate(llama_model, [5, 6, 7, 8], 6)
     assert all(c.status == RequestStatus.DECODING for c in chunks[:-1])
+    # Chunks carry deltas, not copies: together they are the output, and the prompt is shared.
+    assert all(c.generated_tokens == c.new_tokens and len(c.new_tokens) <= 1 for c in chunks[:-1])
+    assert sum((c.new_tokens for c in chunks), []) == chunks[-1].generated_tokens
+    assert all(c.prompt_ids is chunks[0].prompt_ids for c in chunks[:-1])
+    assert manager.stats()["stream_queues"] == 0
 
 
 def test_iteration_and_result_handler(manager):
@@ -223,3 +232,79 @@ def test_tensor_input_and_eos_override(manager, llama_model):
     rid = manager.add_request(torch.tensor([[5, 6, 7]]), max_new_tokens=8, eos_token_id=expected[2])
     out = manager.get_result(rid, timeout=30)
     assert out.generated_tokens == expected[:3] and out.finish_reason == "stop"
+
+
+def test_batch_encoding_and_batch_of_one_are_prompts(manager, llama_model):
+    """What tokenizers return (`BatchEncoding`, a [1, T] tensor) is accepted as one prompt."""
+    from transformers import BatchEncoding
+
+    expected = reference_generate(llama_model, [5, 6, 7], 3)
+    for prompt in (BatchEncoding({"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]}),
+                   BatchEncoding({"input_ids": torch.tensor([[5, 6, 7]])}), [[5, 6, 7]]):
+        rid = manager.add_request(prompt, max_new_tokens=3)
+        assert manager.get_result(rid, timeout=30).generated_tokens == expected
+
+
+def test_generate_batch_takes_batch_encodings(llama_model):
+    from transformers import BatchEncoding
+
+    out = generate_batch(llama_model, [BatchEncoding({"input_ids": [5, 6, 7]})], GREEDY, progress_bar=False)
+    assert out["req_0"].generated_tokens == reference_generate(llama_model, [5, 6, 7], 8)
+
+
+def test_stream_read_with_get_result_frees_its_queue(manager):
+    rid = manager.add_request([5, 6, 7], max_new_tokens=6, streaming=True)
+    assert manager.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    assert manager.stats()["stream_queues"] == 0
+    rid = manager.add_request([5, 6, 7], max_new_tokens=6, streaming=True)
+    assert [out.request_id for out in manager] == [rid]  # iterating the manager reads it too
+    assert manager.stats()["stream_queues"] == 0
+
+
+def test_request_id_iter_timeout_says_so(llama_model):
+    with continuous_batching(llama_model, GREEDY, ContinuousBatchingConfig(block_size=4)) as m:
+        rid = m.add_request([5, 6, 7], max_new_tokens=400, streaming=True)
+        with pytest.raises(TimeoutError, match="still running"):
+            for _ in m.request_id_iter(rid, timeout=1e-6):
+                pass
+        m.cancel_request(rid)
+        plain = m.add_request([5, 6, 7], max_new_tokens=400)
+        with pytest.raises(TimeoutError, match="still running"):
+            list(m.request_id_iter(plain, timeout=1e-6))
+        m.cancel_request(plain)
+
+
+def test_queue_limit_counts_sequences(llama_model):
+    """max_queue_size counts samples: n=4 fills four places; a submission larger than the
+    limit can never fit and is a ValueError (HTTP 400), a full queue a RuntimeError (429)."""
+    from contbatch import SamplingParams
+
+    config = ContinuousBatchingConfig(block_size=4, max_queue_size=6)
+    with continuous_batching(llama_model, GREEDY, config) as m:
+        with pytest.raises(ValueError, match="can never be accepted"):
+            m.add_requests([[5, 6]] * 7)
+        with pytest.raises(ValueError, match="can never be accepted"):
+            m.add_request([5, 6], sampling_params=SamplingParams(n=7, temperature=1.0, seed=1))
+        first = m.add_request([5, 6], max_new_tokens=300, sampling_params=SamplingParams(n=4, temperature=1.0, seed=1))
+        assert m.stats()["live_sequences"] == 4
+        with pytest.raises(RuntimeError, match="queue full"):
+            m.add_requests([[5, 6]] * 3)
+        m.add_requests([[5, 6]] * 2, max_new_tokens=2)  # exactly fills it
+        m.cancel_request(first)
+    assert m.stats()["live_sequences"] == 0
+
+
+def test_result_handler_may_stop_the_manager_and_it_restarts(llama_model):
+    m = ContinuousBatchingManager(llama_model, GREEDY, ContinuousBatchingConfig(block_size=4))
+    m.register_result_handler(lambda out: out.is_finished and m.stop())
+    m.start()
+    rid = m.add_request([5, 6, 7], max_new_tokens=3)
+    assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    deadline = time.time() + 10
+    while m.is_running() and time.time() < deadline:
+        time.sleep(0.01)
+    assert not m.is_running()
+    m.start()  # the model was detached on the way out: it attaches again
+    rid = m.add_request([5, 6, 7], max_new_tokens=3)
+    assert m.get_result(rid, timeout=30).generated_tokens == reference_generate(llama_model, [5, 6, 7], 3)
+    m.destroy()

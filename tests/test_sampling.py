@@ -20,6 +20,7 @@ from contbatch.sampling.sampler import (
     SampleRequest,
     Sampler,
     apply_logit_bias,
+    apply_min_new_tokens,
     apply_presence_frequency,
     apply_repetition_penalty,
     warp,
@@ -188,11 +189,81 @@ def test_n_samples_share_prompt_blocks(llama_model):
     "kwargs",
     [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(top_logprobs=21), dict(n=0),
      dict(stop=5), dict(stop=[""]), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(presence_penalty=3.0),
-     dict(logit_bias={1: 500.0}), dict(max_new_tokens=0), dict(min_new_tokens=5, max_new_tokens=2)],
+     dict(logit_bias={1: 500.0}), dict(max_new_tokens=0), dict(min_new_tokens=5, max_new_tokens=2),
+     # not finite, not a number, or a bool where a count is meant
+     dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+     dict(repetition_penalty=float("nan")), dict(repetition_penalty=1e-300), dict(presence_penalty=float("nan")),
+     dict(logit_bias={1: float("nan")}), dict(logit_bias={True: 1.0}), dict(logit_bias={1.5: 1.0}),
+     dict(stop_token_ids=[1.0]), dict(stop_token_ids=[True]), dict(top_k=True), dict(top_k=2.5), dict(n=2.0),
+     dict(seed=1.5), dict(max_new_tokens=4.0), dict(temperature="1"),
+     # sizes that would make every step slow for everybody
+     dict(logit_bias={i: 1.0 for i in range(2000)}), dict(stop_token_ids=list(range(1_500_000)))],
 )
 def test_invalid_parameters_rejected(kwargs):
     with pytest.raises(ValueError, match="invalid sampling parameter"):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy():
+    assert SamplingParams(temperature=1e-300).resolve(GREEDY, 8).temperature == 0.0
+
+
+def test_stop_token_ids_must_be_in_the_vocabulary(llama_model):
+    with continuous_batching(llama_model, GREEDY) as m:
+        with pytest.raises(ValueError, match="stop_token_ids token ids outside the vocabulary"):
+            m.add_request([1, 2, 3], sampling_params=SamplingParams(stop_token_ids=[10**6]))
+
+
+def test_nan_logits_fail_only_their_request(llama_model):
+    """A row whose logits are NaN (numerical overflow) fails its request with a clear error;
+    its neighbours in the same steps finish exactly."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    expected = reference_generate(llama_model, prompts[1], 8)
+    poison = {"on": True}
+    original = Sampler.sample_states
+
+    def poisoned(self, logits, states):  # the first request's row turns NaN
+        if poison["on"]:
+            logits = logits.clone()
+            rows = [i for i, s in enumerate(states) if s.prompt_ids == prompts[0]]
+            logits[rows] = float("nan")
+        return original(self, logits, states)
+
+    Sampler.sample_states = poisoned
+    try:
+        out = generate_batch(llama_model, prompts, GREEDY, progress_bar=False)
+    finally:
+        Sampler.sample_states = original
+    assert out["req_0"].status == RequestStatus.FAILED and "non-finite logits" in out["req_0"].error
+    assert out["req_1"].generated_tokens == expected
+
+
+def test_top_logprobs_never_list_masked_tokens(llama_model):
+    params = SamplingParams(temperature=1.0, top_k=3, seed=0, logprobs=True, top_logprobs=10, max_new_tokens=6)
+    out = generate_batch(llama_model, [[5, 6, 7]], GREEDY, progress_bar=False, sampling_params=params)["req_0"]
+    assert len(out.top_logprobs) == 6
+    assert all(len(top) == 3 and all(math.isfinite(v) for v in top.values()) for top in out.top_logprobs)
+    assert all(math.isfinite(v) for v in out.logprobs)
+
+
+def test_large_logit_bias_and_stop_lists_are_vectorized(logits):
+    """Bias and min-token masks are applied as one tensor op per step: the result equals a
+    per-token reference, for the largest lists the parameters allow."""
+    bias = {t: (t % 7) - 3.0 for t in range(0, 50, 2)}
+    reqs = [_req(SamplingParams(logit_bias=bias)), _req(SamplingParams()), _req(SamplingParams(logit_bias={49: 5.0}))]
+    ours = logits.clone()
+    apply_logit_bias(ours, reqs)
+    expected = logits.clone()
+    for t, b in bias.items():
+        expected[0, t] += b
+    expected[2, 49] += 5.0
+    assert torch.equal(ours, expected)
+    big = SamplingParams(stop_token_ids=list(range(1024)), min_new_tokens=2)
+    rows = [_req(big, stop=frozenset(range(0, 50, 3))), _req(SamplingParams())]
+    masked = logits[:2].clone()
+    apply_min_new_tokens(masked, rows)
+    assert torch.isinf(masked[0, ::3]).all() and not torch.isinf(masked[0, 1::3]).any()
+    assert torch.equal(masked[1], logits[1])
 
 
 def test_stop_string_needs_tokenizer(llama_model):

@@ -153,6 +153,20 @@ class BlockManager:
         self.prefix_hits += len(table) * self.block_size
         return len(table) * self.block_size
 
+    def block_hashes(self, token_ids: list[int]) -> list[int]:
+        """Chained hashes of the blocks `match_prefix` could reuse for this sequence."""
+        return [key.hash for key in self._keys_for(token_ids, (len(token_ids) - 1) // self.block_size)]
+
+    def cached_blocks(self, token_ids: list[int], hashes: list[int]) -> int:
+        """How many leading blocks of `token_ids` are in the cache now: a look, with no
+        reference taken and nothing counted as a query."""
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            block = self._by_hash.get(h)
+            if block is None or self._keys[block].tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+                return i
+        return len(hashes)
+
     def commit(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Hash the request's blocks that `num_computed` tokens have just completed."""
         if not self.enable_prefix_sharing:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..faults import inject
+
 REPLACEMENT = "\ufffd"
 
 
@@ -28,6 +30,7 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """Returns the new stable text; sets `stopped` when a stop string appeared."""
+        inject("detokenizer")
         if self.stopped:
             return ""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

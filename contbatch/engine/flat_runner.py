@@ -23,6 +23,7 @@ from ..attention.kernels import AttentionKernels
 from ..attention.metadata import FlatMetadata
 from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache
+from ..faults import inject
 from ..sampling.sampler import SampleResult, Sampler
 from .buckets import Bucketing, StepShape, pad_batch, round_up
 from .flat_batch import FlatBatch, apply_carry
@@ -218,6 +219,8 @@ class FlatRunner:
             max_kv_len=shape.max_kv_len,
         )
 
+        inject("forward")
+
         def run() -> torch.Tensor:
             out = self.model(
                 input_ids=views["input_ids"][None],
@@ -267,4 +270,4 @@ class FlatRunner:
 
 
 def _extras(result: SampleResult) -> tuple:
-    return result.logprobs, result.top_ids, result.top_logprobs
+    return result.logprobs, result.top_ids, result.top_logprobs, result.ok

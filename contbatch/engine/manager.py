@@ -92,7 +92,7 @@ class ContinuousBatchingManager(StepsMixin):
                 self._flat = self._flat_runner(r)
         self.scheduler = SCHEDULER_MAPPING[r.scheduler_type](
             self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin,
-            r.cpu_offload_blocks,
+            r.cpu_offload_blocks, r.hold_shared_prefixes,
         )
         self._host_kv.clear()
         self._saved_attn = attach(self.model)
@@ -120,23 +120,26 @@ class ContinuousBatchingManager(StepsMixin):
         )
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
-        """Graceful: finish everything submitted. Hard: fail what is not finished."""
+        """Graceful: finish everything submitted. Hard: fail what is not finished.
+
+        From the engine thread itself (a result handler) it only asks the loop to end: the
+        thread cannot wait for itself, and it detaches the model on its way out."""
         self._accepting = False
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             return
         self._stop_mode = "hard" if hard_stop else (self._stop_mode or "graceful")
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if thread is threading.current_thread():
+            return
+        thread.join(timeout)
+        if thread.is_alive():
             logger.warning("contbatch engine thread still running after %.1fs; forcing a hard stop", timeout or 0)
             self._stop_mode = "hard"
-            self._thread.join()
+            thread.join()
         self._thread = None
         # Anything that slipped into the inbox as the thread exited still gets an answer.
         self._fail_all("manager stopped before the request was scheduled")
-        if self._saved_attn is not None:
-            detach(self.model, self._saved_attn)
-            self._saved_attn = None
 
     def destroy(self) -> None:
         self.stop(hard_stop=True)
@@ -156,10 +159,18 @@ class ContinuousBatchingManager(StepsMixin):
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
         sampling_params: SamplingParams | None = None,
+        *,
+        queue_chunks: bool = True,
     ) -> str:
+        """Queue one prompt (token ids, a 1-D tensor, or a tokenizer's `BatchEncoding`).
+
+        `streaming=True` produces incremental outputs, passed to result handlers and queued
+        for `request_id_iter`; a caller that reads them through a handler alone (the HTTP
+        server does) passes `queue_chunks=False` so that nothing is kept for a reader who
+        never comes."""
         self._check_running()
         states = self._builder.build(input_ids, request_id, max_new_tokens, streaming, eos_token_id, sampling_params)
-        self._submit([states])
+        self._submit([states], queue_chunks)
         return states[0].parent_id
 
     def add_requests(
@@ -169,6 +180,8 @@ class ContinuousBatchingManager(StepsMixin):
         streaming: bool = False,
         request_ids: Sequence[str] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        queue_chunks: bool = True,
     ) -> list[str]:
         """Submit many at once: all validated before any is queued (all or nothing).
 
@@ -189,7 +202,7 @@ class ContinuousBatchingManager(StepsMixin):
         dupes = len(groups) - len({g[0].parent_id for g in groups})
         if dupes:
             raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
-        self._submit(self._prefix_order(groups))
+        self._submit(self._prefix_order(groups), queue_chunks)
         return [g[0].parent_id for g in groups]
 
     def cancel_request(self, request_id: str) -> None:
@@ -217,18 +230,9 @@ class ContinuousBatchingManager(StepsMixin):
         followers.sort(key=lambda f: (f[0], f[1]))
         return leaders + [f[2] for f in followers]
 
-    def _submit(self, groups: list[list[RequestState]]) -> None:
-        limit = self.resolved_config.max_queue_size
+    def _submit(self, groups: list[list[RequestState]], queue_chunks: bool = True) -> None:
         with self._results.lock():
-            registered = []
-            try:
-                for states in groups:
-                    self._results.register(states[0].parent_id, states, limit)
-                    registered.append(states)
-            except (ValueError, RuntimeError):
-                for states in registered:  # all or nothing
-                    self._results.unregister(states[0].parent_id)
-                raise
+            self._results.register(groups, self.resolved_config.max_queue_size, queue_chunks)
             for states in groups:
                 if len(states) > 1:
                     self._samples[states[0].parent_id] = [s.request_id for s in states]
@@ -251,14 +255,16 @@ class ContinuousBatchingManager(StepsMixin):
                 return
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
-        """Incremental outputs of one request; the last one is final and is also retrieved."""
+        """Incremental outputs of one request; the last one is final and is also retrieved.
+        Waiting more than `timeout` seconds for the next output raises TimeoutError."""
         chunks = self._results.stream(request_id, timeout)
         if chunks is not None:
             yield from chunks
             return
         out = self.get_result(request_id, timeout)
-        if out is not None:
-            yield out
+        if out is None:
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout}s; it is still running")
+        yield out
 
     def register_result_handler(self, callback: Callable[[GenerationOutput], None]) -> None:
         """Called from the engine thread with every streamed chunk and every final result."""
@@ -274,8 +280,14 @@ class ContinuousBatchingManager(StepsMixin):
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():  # once for the thread, not per step
-            self._loop()
+        try:
+            with torch.inference_mode():  # once for the thread, not per step
+                self._loop()
+        finally:  # however the loop ended (stop(), a crash): the model is the user's again
+            self._accepting = False
+            if self._saved_attn is not None:
+                detach(self.model, self._saved_attn)
+                self._saved_attn = None
 
     def _loop(self) -> None:
         try:
@@ -349,6 +361,7 @@ class ContinuousBatchingManager(StepsMixin):
         return {
             "steps": self.steps,
             "soft_resets": sched.soft_resets if sched else 0,
+            "held_for_prefix": sched.held_for_prefix if sched else 0,
             "offloads": sched.offloads if sched else 0,
             "restores": sched.restores if sched else 0,
             "prefix_cache_queries": queries,
@@ -358,6 +371,8 @@ class ContinuousBatchingManager(StepsMixin):
             "free_blocks": bm.num_free_blocks if bm else 0,
             "running": len(sched.running) if sched else 0,
             "waiting": len(sched.waiting) if sched else 0,
+            "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
+            "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
             "step_seconds": self.step_seconds,
             "forward_seconds": self.forward_seconds,
             "decode_only_steps": self.decode_only_steps,

@@ -127,6 +127,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
         prefix_sharing=cfg.allow_block_sharing,
         prefix_cache_eviction=cfg.prefix_cache_eviction,
+        hold_shared_prefixes=cfg.allow_block_sharing and cfg.hold_shared_prefixes,
         cpu_offload_blocks=host_blocks,
         cpu_offload_gib=round(host_gib, 3),
         sliding_window_layers=windowed,
@@ -163,7 +164,8 @@ def describe(resolved: ResolvedConfig) -> str:
             else ""
         )
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
-        f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}) "
+        f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
+        f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
         f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks)"
         + "".join(f"; note: {n}" for n in resolved.notes)
         + "".join(f"; WARNING: {w}" for w in resolved.warnings)

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from ..faults import inject
 from ..requests import GenerationOutput, RequestState, RequestStatus
 
 logger = logging.getLogger("contbatch")
@@ -27,27 +28,54 @@ class ResultStore:
         self._known: set[str] = set()  # submitted, result not yet retrieved
         self._streams: dict[str, queue.Queue] = {}
         self._groups: dict[str, list[GenerationOutput | None]] = {}  # parent id -> samples
+        self._sizes: dict[str, int] = {}  # live parent id -> its sequences (n)
+        self.live_sequences = 0
         self.handlers: list[Callable[[GenerationOutput], None]] = []
 
     # -- engine thread -------------------------------------------------------------------
-    def register(self, parent_id: str, states: list[RequestState], max_live: int) -> None:
-        """Called under `lock()` by the submitting thread, all checks included."""
-        if parent_id in self._known:
-            raise ValueError(f"request id {parent_id!r} is already in use (live, or its result not yet retrieved)")
-        if max_live and len(self.live) >= max_live:
-            raise RuntimeError(f"queue full: {len(self.live)} requests in flight (max_queue_size={max_live})")
-        self._known.add(parent_id)
-        self.live.add(parent_id)
-        if len(states) > 1:
-            self._groups[parent_id] = [None] * len(states)
-        if states[0].streaming:
-            self._streams[parent_id] = queue.Queue()
+    def register(self, groups: list[list[RequestState]], max_sequences: int, queue_chunks: bool = True) -> None:
+        """Register every request of one submission, or none. Called by the submitting
+        thread. `max_sequences` (the queue limit) counts sequences: each of n samples is a
+        request in the engine. A submission larger than the limit could never be queued, so
+        it is refused outright (ValueError), while a full queue is worth a retry (RuntimeError)."""
+        ids = [states[0].parent_id for states in groups]
+        size = sum(len(states) for states in groups)
+        with self._cond:
+            taken = [rid for rid in ids if rid in self._known]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use (live, or its result not yet retrieved)")
+            if max_sequences and size > max_sequences:
+                raise ValueError(
+                    f"this submission has {size} sequences (prompts x n) but the engine queues at most "
+                    f"{max_sequences} (max_queue_size): it can never be accepted; split it"
+                )
+            if max_sequences and self.live_sequences + size > max_sequences:
+                raise RuntimeError(
+                    f"queue full: {self.live_sequences} sequences in flight, {size} more requested "
+                    f"(max_queue_size={max_sequences})"
+                )
+            for rid, states in zip(ids, groups):
+                self._known.add(rid)
+                self.live.add(rid)
+                self._sizes[rid] = len(states)
+                self.live_sequences += len(states)
+                if len(states) > 1:
+                    self._groups[rid] = [None] * len(states)
+                if states[0].streaming and queue_chunks:
+                    self._streams[rid] = queue.Queue()
 
     def unregister(self, parent_id: str) -> None:
-        self._known.discard(parent_id)
-        self.live.discard(parent_id)
-        self._groups.pop(parent_id, None)
-        self._streams.pop(parent_id, None)
+        with self._cond:
+            self._known.discard(parent_id)
+            self._end(parent_id)
+            self._groups.pop(parent_id, None)
+            self._streams.pop(parent_id, None)
+
+    def _end(self, parent_id: str) -> None:
+        """No longer live (under the lock)."""
+        if parent_id in self.live:
+            self.live.discard(parent_id)
+            self.live_sequences -= self._sizes.pop(parent_id, 0)
 
     def lock(self) -> threading.Condition:
         return self._cond
@@ -66,6 +94,7 @@ class ResultStore:
         for handler in self.handlers:
             try:
                 handler(out)
+                inject("handler")  # a handler that raises after its work: the engine goes on
             except Exception:  # a user's callback must never stop the engine
                 logger.exception("result handler failed")
 
@@ -84,7 +113,7 @@ class ResultStore:
         if stream is not None:
             stream.put(out)
         with self._cond:
-            self.live.discard(parent_id)
+            self._end(parent_id)
             self._finished[parent_id] = out
             self._cond.notify_all()
 
@@ -103,12 +132,20 @@ class ResultStore:
                     return None
                 out = self._finished.pop(request_id)
             self._known.discard(out.request_id)
+            self._streams.pop(out.request_id, None)  # read without its stream: free the chunks
             return out
 
     def idle(self) -> bool:
         return not self.live and not self._finished
 
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
     def stream(self, request_id: str, timeout: float | None) -> Iterator[GenerationOutput] | None:
+        """The request's chunks as they come, the final result last (and retrieved). A wait
+        longer than `timeout` for the next chunk raises TimeoutError: a stream never ends
+        silently without its final result."""
         q = self._streams.get(request_id)
         if q is None:
             return None
@@ -118,10 +155,12 @@ class ResultStore:
                 try:
                     out = q.get(timeout=timeout)
                 except queue.Empty:
-                    return
+                    raise TimeoutError(
+                        f"no output of request {request_id!r} within {timeout}s; it is still running "
+                        "(iterate again, or get_result it later)"
+                    ) from None
                 if out.is_finished:
-                    self._streams.pop(request_id, None)
-                    self.get(request_id, timeout=0)
+                    self.get(request_id, timeout=0)  # retrieves it and drops the stream
                     yield out
                     return
                 yield out

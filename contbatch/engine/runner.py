@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import ENGINE_MASK
+from ..faults import inject
 from ..sampling.sampler import SampleResult, Sampler
 from .batch import ModelInputs
 
@@ -17,6 +18,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> SampleResult:
         """The next token (and logprobs where asked) of every request that samples this step."""
+        inject("forward")
         out = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,

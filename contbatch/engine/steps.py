@@ -18,6 +18,8 @@ from .flat_runner import InFlight
 
 logger = logging.getLogger("contbatch")
 
+_NEG_INF = float("-inf")
+
 
 class StepsMixin:
     def _step(self) -> None:
@@ -40,9 +42,8 @@ class StepsMixin:
             state.num_computed_tokens += chunk.num_tokens
             self._commit(state, state.num_computed_tokens)
         self._record_logprobs(inputs.sampled, result)
-        for state, token in zip(inputs.sampled, tokens):
-            state.append_token(token)
-            self._after_token(state)
+        indices = [s.reserve_token() for s in inputs.sampled]
+        self._apply_tokens(inputs.sampled, indices, tokens, result.ok)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
 
@@ -63,11 +64,30 @@ class StepsMixin:
             keys, values, n = self._host_kv.pop(state.request_id)
             self.cache.copy_in(self.cache.block_manager.table(state.request_id), n, keys, values)
 
+    def _apply_tokens(self, states: list[RequestState], indices: list[int], tokens: list[int], ok) -> None:
+        """Fill each request's reserved place with its token; a row whose logits were not
+        finite fails its request alone (a numerical fault must not pass as a token)."""
+        ok = ok.tolist() if ok is not None else [True] * len(states)
+        for state, index, token, good in zip(states, indices, tokens, ok):
+            if state.status.is_done:  # ended while its step was in flight (async): nothing to apply
+                continue
+            if not good:
+                self._fail(state, "the model produced non-finite logits (NaN or inf) for this request; "
+                                  "check its sampling parameters, the model's dtype and its weights")
+                continue
+            state.set_token(index, token)
+            self._after_token(state)
+
     def _after_token(self, state: RequestState) -> None:
         """Stop strings, then retire or stream the request."""
         detok = state.detokenizer
         if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
-            state.delta_text += detok.update(state.known_tokens)
+            try:
+                state.delta_text += detok.update(state.known_tokens)
+            except Exception as exc:  # the tokenizer failed on this request's text: it alone ends
+                logger.exception("detokenizing %s failed", state.request_id)
+                self._fail(state, f"detokenizing the output failed: {exc!r}")
+                return
             if detok.stopped:
                 state.finish(RequestStatus.FINISHED, "stop")
         if state.status.is_done:
@@ -132,11 +152,7 @@ class StepsMixin:
                 self._commit(state, min(computed, state.num_computed_tokens))
         if result.logprobs is not None:
             self._record_logprobs(step.batch.sampled, result, [not s.status.is_done for s in step.batch.sampled])
-        for state, index, token in zip(step.batch.sampled, step.token_index, tokens):
-            if state.status.is_done:
-                continue
-            state.set_token(index, token)
-            self._after_token(state)
+        self._apply_tokens(step.batch.sampled, step.token_index, tokens, result.ok)
 
     def _fail_chunks(self, states: list[RequestState], exc: Exception) -> None:
         logger.exception("step failed; failing its %d requests", len(states))
@@ -166,4 +182,5 @@ class StepsMixin:
                 state.logprobs.append(chosen[i])
             if state.top_logprobs is not None:
                 k = state.params.top_logprobs
-                state.top_logprobs.append(dict(zip(top_ids[i][:k], top_lps[i][:k])))
+                # A token masked out (top-k/p, min-p) has logprob -inf: it was never a candidate.
+                state.top_logprobs.append({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != _NEG_INF})

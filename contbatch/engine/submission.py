@@ -8,16 +8,46 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..cache.block_manager import blocks_for
 from ..config import ResolvedConfig
 from ..requests import RequestState
-from ..sampling.params import SamplingParams
+from ..sampling.params import SamplingParams, is_integer
 from .detokenizer import IncrementalDetokenizer
 from .stopping import StopDefaults
+
+
+def as_token_ids(input_ids) -> list[int]:
+    """One prompt's token ids from what a user has at hand: a list, a 1-D tensor (or a batch
+    of one), or a tokenizer's output (`BatchEncoding` or any mapping with `input_ids`, as
+    `apply_chat_template(..., return_dict=True)` and, in some versions, plain calls return).
+    Floats and bools are refused, not truncated: they are a caller's bug, not token ids."""
+    if isinstance(input_ids, Mapping):
+        if "input_ids" not in input_ids:
+            raise ValueError(f"a mapping prompt needs an 'input_ids' entry, got keys {list(input_ids)[:5]}")
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, (str, bytes)):
+        raise ValueError("input_ids must be token ids, not text: tokenize the prompt first")
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() > 1 and input_ids.shape[0] != 1 or input_ids.dim() > 2:
+            raise ValueError(f"one prompt per request: got a tensor of shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got a {input_ids.dtype} tensor")
+        input_ids = input_ids.reshape(-1).tolist()
+    elif not isinstance(input_ids, Sequence) and not hasattr(input_ids, "__array__"):
+        raise ValueError(f"input_ids must be a sequence of token ids, got {type(input_ids).__name__}")
+    ids = list(input_ids)
+    if len(ids) == 1 and not is_integer(ids[0]) and not isinstance(ids[0], (str, bytes, float, bool)):
+        return as_token_ids(ids[0])  # a batch of one, as tokenizers return with return_tensors
+    bad = [t for t in ids if not is_integer(t)]
+    if bad:
+        raise ValueError(f"token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    if not ids:
+        raise ValueError("empty prompt: a request needs at least one input token")
+    return [int(t) for t in ids]
 
 
 class RequestBuilder:
@@ -66,13 +96,7 @@ class RequestBuilder:
         return states
 
     def _prompt(self, input_ids) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.reshape(-1).tolist()
-        if isinstance(input_ids, str):
-            raise ValueError("input_ids must be token ids, not text: tokenize the prompt first")
-        prompt = [int(t) for t in input_ids]
-        if not prompt:
-            raise ValueError("empty prompt: a request needs at least one input token")
+        prompt = as_token_ids(input_ids)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -87,9 +111,10 @@ class RequestBuilder:
         params = params.resolve(self.defaults.generation_config, self.defaults.max_new_tokens)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the manager or generate_batch")
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return params
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:

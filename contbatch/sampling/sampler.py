@@ -13,10 +13,13 @@ tokens do not depend on what shares its batches, on chunking, or on preemption.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..faults import inject
 from .params import SamplingParams
 
 
@@ -36,12 +39,13 @@ class SampleResult:
     logprobs: torch.Tensor | None = None  # [S]: chosen tokens
     top_ids: torch.Tensor | None = None  # [S, k]
     top_logprobs: torch.Tensor | None = None  # [S, k]
+    ok: torch.Tensor | None = None  # [S] bool: the chosen token's logit was finite (else the row's logits were NaN/inf)
 
 
 def _dev(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host list as a device tensor without stalling the host: a copy from pageable memory
     first waits for the GPU stream to drain, which would undo async batching's overlap."""
-    t = torch.tensor(data, dtype=dtype)
+    t = data.to(dtype) if isinstance(data, torch.Tensor) and dtype is not None else torch.as_tensor(data, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
@@ -50,19 +54,31 @@ def _rows(reqs: list[SampleRequest], pred) -> list[int]:
 
 
 def _padded(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
+    """Rows of token ids padded with `pad`, filled in bulk (a long prompt costs one copy, not
+    a Python loop over its tokens)."""
     width = max(1, max(len(s) for s in seqs))
-    return _dev([s + [pad] * (width - len(s)) for s in seqs], device, torch.long)
+    out = np.full((len(seqs), width), pad, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        out[i, : len(seq)] = seq
+    return _dev(torch.from_numpy(out), device)
+
+
+def _cat_rows(parts: list[tuple[int, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, column ids) for per-row id tensors, concatenated: one tensor op per step,
+    whatever the number of ids (no Python loop per token)."""
+    rows = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, ids in parts])
+    cols = torch.cat([ids for _, ids in parts])
+    return _dev(rows, device), _dev(cols, device)
 
 
 def apply_logit_bias(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
-    rows, cols, vals = [], [], []
-    for i, r in enumerate(reqs):
-        for token, bias in (r.params.logit_bias or {}).items():
-            if token < logits.shape[1]:
-                rows.append(i), cols.append(token), vals.append(bias)
-    if rows:
-        idx = (_dev(rows, logits.device, torch.long), _dev(cols, logits.device, torch.long))
-        logits.index_put_(idx, _dev(vals, logits.device, logits.dtype), accumulate=True)
+    parts = [(i, r.params.logit_bias_tensors) for i, r in enumerate(reqs) if r.params.logit_bias]
+    if not parts:
+        return
+    rows, cols = _cat_rows([(i, ids) for i, (ids, _) in parts], logits.device)
+    vals = _dev(torch.cat([v for _, (_, v) in parts]), logits.device, logits.dtype)
+    keep = cols < logits.shape[1]
+    logits.index_put_((rows[keep], cols[keep]), vals[keep], accumulate=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
@@ -96,15 +112,19 @@ def apply_presence_frequency(logits: torch.Tensor, reqs: list[SampleRequest]) ->
     logits[_dev(rows, logits.device, torch.long)] -= freq * counts + pres * (counts > 0)
 
 
+@functools.lru_cache(maxsize=4096)
+def _ids(ids: frozenset[int]) -> torch.Tensor:
+    """A request's stop ids as a tensor, built once per distinct set (frozensets hash once)."""
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
 def apply_min_new_tokens(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
-    rows, cols = [], []
-    for i, r in enumerate(reqs):
-        if len(r.generated) < r.params.min_new_tokens:
-            for token in r.stop_ids:
-                if token < logits.shape[1]:
-                    rows.append(i), cols.append(token)
-    if rows:
-        logits[_dev(rows, logits.device, torch.long), _dev(cols, logits.device, torch.long)] = float("-inf")
+    parts = [(i, _ids(r.stop_ids)) for i, r in enumerate(reqs) if len(r.generated) < r.params.min_new_tokens and r.stop_ids]
+    if not parts:
+        return
+    rows, cols = _cat_rows(parts, logits.device)
+    keep = cols < logits.shape[1]
+    logits[rows[keep], cols[keep]] = float("-inf")
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, kmax: int | None = None) -> torch.Tensor:
@@ -154,6 +174,12 @@ def warp(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
     return logits
 
 
+def _finite_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Whether each row's chosen logit is finite. A NaN anywhere in a row wins its argmax (and
+    spoils its softmax), so one gather finds a broken row without a pass over the vocabulary."""
+    return logits.gather(1, tokens[:, None])[:, 0].isfinite()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = torch.Generator()
@@ -173,8 +199,10 @@ class Sampler:
     def sample_states(self, logits: torch.Tensor, states) -> SampleResult:
         """Sample for engine request states (`params`, `prompt_ids`, `known_tokens`,
         `eos_token_ids`); plain greedy rows, the common case, skip building any history."""
+        inject("sampler")
         if all(s.params.plain_greedy for s in states):
-            return SampleResult(logits.argmax(dim=-1))
+            tokens = logits.argmax(dim=-1)
+            return SampleResult(tokens, ok=_finite_at(logits, tokens))
         return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in states])
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
@@ -196,7 +224,7 @@ class Sampler:
             final = logits.clone()
             final[idx] = warped
 
-        result = SampleResult(tokens)
+        result = SampleResult(tokens, ok=_finite_at(final, tokens))
         if any(r.params.wants_logprobs for r in reqs):
             logprobs = torch.log_softmax(final, dim=-1)
             result.logprobs = logprobs.gather(1, tokens[:, None])[:, 0]

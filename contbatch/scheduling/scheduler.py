@@ -59,6 +59,7 @@ class Scheduler:
         max_requests_per_batch: int,
         safety_margin: float = 0.0,
         offload_capacity_blocks: int = 0,
+        hold_shared_prefixes: bool = True,
     ) -> None:
         if not 0.0 <= safety_margin <= 1.0:
             raise ValueError(f"Got safety_margin = {safety_margin} but expected a value in [0, 1]")
@@ -74,6 +75,11 @@ class Scheduler:
         self.soft_resets = 0
         self.offloads = 0
         self.restores = 0
+        # In-burst prefix dedup: a new request whose next uncached prompt block is being
+        # computed right now by another request waits for it instead of computing it again.
+        self.hold_shared_prefixes = hold_shared_prefixes and block_manager.enable_prefix_sharing
+        self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes
+        self.held_for_prefix = 0  # request-steps spent waiting for a prefix in progress
 
     # -- bookkeeping -------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -93,6 +99,7 @@ class Scheduler:
                     del self.waiting[i]
                     break
         self.block_manager.free(request_id)
+        self._hashes.pop(request_id, None)
         return state
 
     def finish(self, state: RequestState) -> None:
@@ -149,6 +156,7 @@ class Scheduler:
         bm = self.block_manager
         reserve = self.safety_margin * bm.num_blocks
         admitted: list[RequestState] = []
+        in_progress = self._blocks_in_progress() if self.hold_shared_prefixes and self.waiting else None
         for state in self.waiting:
             if tokens_left <= 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
@@ -160,7 +168,11 @@ class Scheduler:
                 plan.held_by_margin = len(self.waiting) - len(admitted)
                 break
             restoring = state.request_id in self._offloaded
-            if not restoring and state.num_computed_tokens == 0:
+            fresh = not restoring and state.num_computed_tokens == 0
+            if fresh and in_progress is not None and self._prefix_in_progress(state, in_progress):
+                self.held_for_prefix += 1
+                continue
+            if fresh:
                 state.num_computed_tokens = bm.match_prefix(state.request_id, state.all_token_ids)
             room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens
             got = min(state.remaining_tokens, tokens_left, room)
@@ -176,6 +188,8 @@ class Scheduler:
                 self.restores += 1
                 plan.restored.append(state)
             admitted.append(state)
+            if in_progress is not None:
+                in_progress.update(self._pending_hashes(state, state.num_computed_tokens + got))
             if state.scheduled_at is None:
                 state.scheduled_at = time.time()
                 state.cached_tokens = state.num_computed_tokens  # prefix-cache hits, if any
@@ -188,6 +202,37 @@ class Scheduler:
             taken = {id(s) for s in admitted}
             self.waiting = deque(s for s in self.waiting if id(s) not in taken)
         return plan
+
+    # -- in-burst prefix dedup ----------------------------------------------------------
+    def _prompt_hashes(self, state: RequestState) -> list[int]:
+        hashes = self._hashes.get(state.request_id)
+        if hashes is None:
+            hashes = self._hashes[state.request_id] = self.block_manager.block_hashes(state.prompt_ids)
+        return hashes
+
+    def _pending_hashes(self, state: RequestState, upto: int) -> list[int]:
+        """Hashes of the request's prompt blocks that will be in the cache once its work up
+        to `upto` tokens is done, but are not committed yet."""
+        bs = self.block_manager.block_size
+        return self._prompt_hashes(state)[state.committed_tokens // bs : upto // bs]
+
+    def _blocks_in_progress(self) -> set[int]:
+        """Prompt blocks that running requests compute now or have computed but not yet
+        committed (async batching commits a step later)."""
+        pending: set[int] = set()
+        for state in self.running.values():
+            if state.committed_tokens < len(state.prompt_ids) - 1:
+                pending.update(self._pending_hashes(state, len(state.prompt_ids)))
+        return pending
+
+    def _prefix_in_progress(self, state: RequestState, in_progress: set[int]) -> bool:
+        """True when the first prompt block this request would have to compute is one another
+        request is computing: one step of waiting is cheaper than computing it twice."""
+        if not in_progress:
+            return False
+        hashes = self._prompt_hashes(state)
+        cached = self.block_manager.cached_blocks(state.prompt_ids, hashes)
+        return cached < len(hashes) and hashes[cached] in in_progress
 
     def _grow_running(self, state: RequestState, want: int, scheduled: set[str], plan: StepPlan) -> int:
         """Get blocks for `want` tokens of a running request, preempting newer work if needed.
