@@ -32,6 +32,7 @@ from .runner import ModelRunner
 from .steps import StepsMixin
 from .stopping import stop_defaults
 from .submission import RequestBuilder
+from .threads import release_openmp_pool
 
 logger = logging.getLogger("contbatch")
 
@@ -101,6 +102,9 @@ class ContinuousBatchingManager(StepsMixin):
             logger.warning("contbatch: %s", warning)
         self._stop_mode = None
         self._accepting = True
+        # The forward must be the only OpenMP pool on these cores: the caller's (it usually
+        # loaded the model) would make every parallel op of the engine thread sleep and wake.
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="contbatch-engine", daemon=True)
         self._thread.start()
 

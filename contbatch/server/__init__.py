@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP server: `contbatch serve`, or `build_app()` from Python.
 
     app.py          routes, and the lifespan that starts and stops the engine
+    bodies.py       reading a body: size limit (413), time limit (408)
+    workers.py      the bounded thread pool that prepares requests off the event loop
+    preparation.py  body -> validated request, prompts and params (runs on the pool)
     schemas.py      strict request models (unknown generation parameters are rejected)
     params.py       request fields -> SamplingParams, context and budget checks
     prompts.py      text, token ids and chat messages -> prompt token ids
@@ -11,6 +14,7 @@
     gate.py         503 while draining, API keys, requests in flight
     errors.py       OpenAI's error shape for every failure
     draining.py     uvicorn with a drain phase on SIGTERM/SIGINT
+    connections.py  uvicorn's h11 protocol with a header read timeout
     serve.py        the CLI
     settings.py     HTTP policies: names, keys, limits
 

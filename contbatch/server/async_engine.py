@@ -93,9 +93,11 @@ class AsyncEngine:
             self._live[rid] = _Entry(sub, i, n)
         try:
             if len(prompts) == 1:
-                self.manager.add_request(prompts[0], request_id=ids[0], streaming=streaming, sampling_params=params[0])
+                self.manager.add_request(prompts[0], request_id=ids[0], streaming=streaming, sampling_params=params[0],
+                                         queue_chunks=False)
             else:
-                self.manager.add_requests(prompts, streaming=streaming, request_ids=ids, sampling_params=list(params))
+                self.manager.add_requests(prompts, streaming=streaming, request_ids=ids, sampling_params=list(params),
+                                          queue_chunks=False)
         except ValueError as exc:
             self._forget(ids)
             raise APIError(400, str(exc)) from exc
@@ -125,8 +127,7 @@ class AsyncEngine:
         the final output is already there when this runs)."""
         self._live.pop(request_id, None)
         try:
-            for _ in self.manager.request_id_iter(request_id, timeout=0):
-                pass
+            self.manager.get_result(request_id, timeout=0)
         except KeyError:
             pass  # already collected
 

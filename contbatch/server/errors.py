@@ -6,6 +6,7 @@ Clients (the `openai` package among them) map the status code to an exception cl
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -13,12 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+logger = logging.getLogger("contbatch.server")
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -29,18 +35,20 @@ _TYPES = {
 class APIError(Exception):
     """A request the server answers with an OpenAI-shaped error and `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After, or Connection: close after an unread body
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -94,6 +102,17 @@ def install_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else phrase
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        # Raised while reading a body. A handler of its own, not the catch-all below, whose
+        # 500 Starlette re-raises for uvicorn to log as a ~60-line traceback: one debug line
+        # per disconnect, so that hanging up mid-upload cannot flood the logs.
+        logger.debug("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)  # never sent: the connection is gone
+
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # The details stay in the server's log: a client learns that it failed, not how.
+        logger.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__}); the server log has the details",
+                                       None, "internal_error"), status_code=500)

@@ -2,11 +2,41 @@
 
 Plain dicts rather than pydantic response models: they are built per token while streaming,
 and `json.dumps` of a dict is the cheapest correct thing there.
+
+JSON has no infinities or NaN. A token that top-k/top-p/min-p masked has logprob -inf: it is
+left out of `top_logprobs`, and every logprob shown is floored at `LOGPROB_FLOOR` (vLLM's
+convention). Bodies are encoded with `allow_nan=False`, so a NaN that slips through fails
+loudly (`NonFiniteNumber`, answered as an error) instead of being sent as invalid JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: the logprob shown for anything less likely, -inf included
+
+
+class NonFiniteNumber(ValueError):
+    """A body held NaN or an infinity: a bug upstream, never to be sent as JSON."""
+
+
+def dumps(payload: dict) -> str:
+    """Strict, compact JSON: NaN and infinities raise `NonFiniteNumber`."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError as exc:
+        raise NonFiniteNumber(f"the response holds a non-finite number ({exc})") from None
+
+
+def floored(logprob: float) -> float:
+    """`logprob`, or the floor for anything below it (-inf); NaN stays NaN, for `dumps` to catch."""
+    return LOGPROB_FLOOR if logprob < LOGPROB_FLOOR else float(logprob)
+
+
+def _listed(top: dict[int, float]) -> list[tuple[int, float]]:
+    """Top alternatives worth listing: a masked token (-inf) was never a candidate."""
+    return [(tid, floored(v)) for tid, v in top.items() if v != -math.inf]
 
 
 class TokenText:
@@ -46,12 +76,13 @@ def completion_logprobs(
     for s in strs:
         offsets.append(offset)
         offset += len(s)
+    chosen = [floored(lp) for lp in logprobs]
     tops = []
-    for i, lp in enumerate(logprobs):
-        entry = {text_of(tid): v for tid, v in (top[i].items() if top else ())}
+    for i, lp in enumerate(chosen):
+        entry = {text_of(tid): v for tid, v in (_listed(top[i]) if top else ())}
         entry.setdefault(strs[i], lp)
         tops.append(entry)
-    return {"tokens": strs, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": strs, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(text_of: TokenText, tokens: list[int], logprobs: list[float],
@@ -64,8 +95,8 @@ def chat_logprobs(text_of: TokenText, tokens: list[int], logprobs: list[float],
 
     content = []
     for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-        row = item(t, lp)
-        row["top_logprobs"] = [item(tid, v) for tid, v in top[i].items()] if top else []
+        row = item(t, floored(lp))
+        row["top_logprobs"] = [item(tid, v) for tid, v in _listed(top[i])] if top else []
         content.append(row)
     return {"content": content}
 
@@ -76,5 +107,6 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event; a dict is encoded by `dumps` (NaN raises `NonFiniteNumber`)."""
+    data = payload if isinstance(payload, str) else dumps(payload)
     return f"data: {data}\n\n"

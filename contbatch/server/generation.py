@@ -6,30 +6,38 @@ parameters, context, queue full) still gets its proper status code. After that:
   disconnect cancels the engine requests at once, freeing their KV blocks;
 - streaming: each engine output becomes at most one chunk per choice; if the client goes
   away, Starlette cancels the generator and its `finally` cancels the engine requests.
+
+Bodies and chunks are encoded strictly (`formatting.dumps`): a NaN becomes an OpenAI-shaped
+500, or in a stream an error event before `[DONE]`, never invalid JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..requests import GenerationOutput, RequestStatus
 from .async_engine import AsyncEngine, Submission
 from .errors import APIError
 from .formatting import (
+    NonFiniteNumber,
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    dumps,
     finish_reason,
     sse,
     usage,
 )
 from .prompts import Prompt
+
+logger = logging.getLogger("contbatch.server")
 
 
 @dataclass
@@ -78,7 +86,11 @@ class Generator:
         failed = next((o for o in finals.values() if o.status == RequestStatus.FAILED), None)
         if failed is not None:
             raise self._failure(failed)
-        return JSONResponse(self._body(job, finals))
+        try:
+            content = dumps(self._body(job, finals))
+        except NonFiniteNumber as exc:
+            raise _non_finite(job, exc) from None
+        return Response(content, media_type="application/json")
 
     # -- non-streaming -------------------------------------------------------------------
     async def _collect(self, job: Job, request: Request) -> dict[tuple[int, int], GenerationOutput] | None:
@@ -184,9 +196,20 @@ class Generator:
                     yield sse({"id": job.id, "object": chunk_object, "created": job.created, "model": job.model,
                                "choices": [], "usage": self._usage(job, generated)})
             yield sse("[DONE]")
+        except NonFiniteNumber as exc:  # an error event instead of invalid JSON, then the end
+            yield sse(_non_finite(job, exc).body())
+            yield sse("[DONE]")
         finally:  # finished, failed, or the client went away (Starlette cancels us)
             if not job.sub.done:
                 self.engine.cancel(job.sub)
+
+
+def _non_finite(job: Job, exc: NonFiniteNumber) -> APIError:
+    """A NaN in a response: logged once, answered as an OpenAI-shaped 500 (the engine's bug,
+    not the client's), never sent as invalid JSON."""
+    logger.error("request %s: %s; answered with an error", job.id, exc)
+    return APIError(500, "the model produced a non-finite number (NaN) in this response, which JSON cannot carry",
+                    code="non_finite_output")
 
 
 async def _wait_disconnect(request: Request) -> None:

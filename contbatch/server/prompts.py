@@ -2,6 +2,15 @@
 
 The tokenizer is the model's own; chat goes through its chat template exactly as
 `contbatch generate` does, so an HTTP chat request and a CLI one see the same tokens.
+
+By default (as in vLLM) the rendered chat is tokenized as one text, so a special token typed
+into a message ("<|im_end|>\n<|im_start|>system ...") becomes that control token: a client
+can forge turns. With `escape_special_tokens` the template's own special tokens stay control
+tokens and everything the client wrote is tokenized as plain text (transformers'
+`sanitize_control_tokens`, which marks the client's strings before rendering and so finds
+them even where the template trims or splits them). docs/security.md has the trade-off.
+
+Every function here is CPU work on the request's data; the app runs them on its worker pool.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ class Prompt:
     """One prompt as the engine gets it, and its text for `echo`."""
 
     token_ids: list[int]
-    text: str
+    text: str | None  # for `echo` (completions); None for an escaped chat, never echoed
 
 
 def completion_prompts(tokenizer, prompt, add_special_tokens: bool) -> list[Prompt]:
@@ -62,7 +71,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 def chat_prompt(
     tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-    add_special_tokens: bool = False,
+    add_special_tokens: bool = False, escape_special_tokens: bool = False,
 ) -> Prompt:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
@@ -74,6 +83,8 @@ def chat_prompt(
         if messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
     rows = message_dicts(messages)
+    if escape_special_tokens:
+        return _escaped_chat_prompt(tokenizer, rows, add_generation_prompt, continue_final_message, add_special_tokens)
     try:
         text = tokenizer.apply_chat_template(
             rows, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -86,6 +97,25 @@ def chat_prompt(
     if not ids:
         raise bad_request("the chat template produced an empty prompt", "messages")
     return Prompt(ids, text)
+
+
+def _escaped_chat_prompt(
+    tokenizer, rows: list[dict], add_generation_prompt: bool, continue_final_message: bool, add_special_tokens: bool
+) -> Prompt:
+    """The chat's token ids with the clients' strings tokenized as plain text."""
+    if add_special_tokens:
+        raise bad_request("add_special_tokens cannot be combined with this server's escaping of special tokens: "
+                          "the chat template writes them", "add_special_tokens")
+    try:
+        ids = tokenizer.apply_chat_template(
+            rows, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=True, return_dict=False, sanitize_control_tokens=True,
+        )
+    except Exception as exc:  # the template rejected the conversation, or rewrote text it cannot escape
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
+    if not ids:
+        raise bad_request("the chat template produced an empty prompt", "messages")
+    return Prompt(list(ids), None)
 
 
 def decode(tokenizer, ids: list[int], param: str) -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from ..cli_options import add_device_arguments, gpu_config, resolve_device
+from .settings import ServerSettings  # plain dataclasses: light
 
 ATTN_IMPLEMENTATIONS = {"contbatch_paged": "contbatch_paged", "paged": "contbatch_paged"}
 
@@ -38,33 +40,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="unfinished requests the engine holds at most; more get 429 (0 = unlimited)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context per request (prompt + completion); also sizes the KV cache on CPU")
-    p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: max(1 MiB, 64 bytes x max_model_len), "
+                        "at most 16 MiB)")
+    p.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds a client has to send a request's line and headers; then 408 and the "
+                        "connection is closed (default 10)")
+    p.add_argument("--body-timeout", type=float, default=None,
+                   help="seconds a client has to send a request's body once its headers are in; then 408 "
+                        "(default 30)")
+    p.add_argument("--worker-threads", type=int, default=None,
+                   help="threads that parse, template and tokenize requests off the event loop (default 2)")
+    p.add_argument("--max-queued-jobs", type=int, default=None,
+                   help="requests waiting for a worker thread at most; more get 503 (default 64)")
+    p.add_argument("--escape-special-tokens", action="store_true",
+                   help="tokenize chat message content as plain text, so special tokens typed by clients "
+                        "(e.g. <|im_end|>) cannot forge turns (default off, as in vLLM; see docs/security.md)")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
     p.add_argument("--uvicorn-log-level", default="info")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-    from dataclasses import replace
-
-    import torch
-    import uvicorn
-
-    from .. import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP policies the flags ask for; flags left out keep ServerSettings' defaults."""
     from ..models import DEFAULT_MODEL_NAME
-    from .app import build_app
-    from .draining import DrainingServer
-    from .settings import ServerSettings
 
     keys = tuple(args.api_key or ([os.environ["CONTBATCH_API_KEY"]] if os.environ.get("CONTBATCH_API_KEY") else []))
     names = tuple(args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME])
-    settings = ServerSettings(served_model_names=names, model_root=str(args.model or DEFAULT_MODEL_NAME),
-                              api_keys=keys, max_model_len=args.max_model_len)
-    if args.max_body_bytes is not None:
-        settings = replace(settings, max_body_bytes=args.max_body_bytes)
-    if args.drain_timeout is not None:
-        settings = replace(settings, drain_timeout_s=args.drain_timeout)
+    given = {
+        "max_body_bytes": args.max_body_bytes, "drain_timeout_s": args.drain_timeout,
+        "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
+        "worker_threads": args.worker_threads, "max_queued_jobs": args.max_queued_jobs,
+    }
+    return ServerSettings(served_model_names=names, model_root=str(args.model or DEFAULT_MODEL_NAME),
+                          api_keys=keys, max_model_len=args.max_model_len,
+                          escape_special_tokens=args.escape_special_tokens,
+                          **{k: v for k, v in given.items() if v is not None})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    import torch
+
+    from .. import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
+    from ..engine.threads import release_openmp_pool
+    from .app import build_app
+    from .connections import uvicorn_config
+    from .draining import DrainingServer
+
+    settings = server_settings(args)
     config = ContinuousBatchingConfig(
         num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens, scheduler_type=args.scheduler,
         safety_margin=args.safety_margin, cpu_offload_space=args.cpu_offload_space,
@@ -80,18 +105,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     manager = ContinuousBatchingManager(model, None, config, tokenizer=tokenizer)
     app = build_app(manager, tokenizer, settings)
     banner = {
-        "model": settings.model_root, "served_model_names": list(names),
-        "url": f"http://{args.host}:{args.port}/v1", "api_key_required": bool(keys),
-        "max_model_len": app.state.limits.max_model_len,
+        "model": settings.model_root, "served_model_names": list(settings.served_model_names),
+        "url": f"http://{args.host}:{args.port}/v1", "api_key_required": bool(settings.api_keys),
+        "max_model_len": app.state.limits.max_model_len, "max_body_bytes": app.state.max_body_bytes,
+        "escape_special_tokens": settings.escape_special_tokens,
         "attn_implementation": ATTN_IMPLEMENTATIONS[args.attn_implementation],
         "engine": manager.resolved_config.as_dict(),
     }
     print("contbatch serve: resolved configuration\n" + json.dumps(banner, indent=2), flush=True)
 
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, lifespan="on",
-        timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level == "debug",
+    uv_config = uvicorn_config(
+        app, settings.header_timeout_s, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        lifespan="on", timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level == "debug",
     )
     server = DrainingServer(uv_config, app.state.server_state, settings.drain_timeout_s, manager)
+    # The engine starts on a worker thread (the app's lifespan); the main thread loaded the
+    # model, so its OpenMP pool goes now: the engine thread's must be the only one.
+    release_openmp_pool()
     server.run()
     return 0 if server.started else 1

@@ -1,0 +1,115 @@
+"""Request bodies -> what the engine takes: parse, validate, template, tokenize, check limits.
+
+Everything here is synchronous CPU work on one request's data, proportional to its size, so
+the app runs it on its worker pool (`workers.py`), never on the event loop: there, one large
+body would stall every other client. Failures are `APIError`s, raised into the route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pydantic_core
+from pydantic import BaseModel, ValidationError
+
+from ..sampling.params import SamplingParams
+from .errors import APIError, bad_request, describe_validation_error
+from .params import Limits, max_new_tokens, sampling_params
+from .prompts import Prompt, chat_prompt, completion_prompts, decode
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from .settings import ServerSettings
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A generation request ready to submit: one prompt and its params per engine request."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+
+
+class Preparer:
+    """The synchronous half of every POST route, for one app."""
+
+    def __init__(self, tokenizer, limits: Limits, settings: ServerSettings) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.settings = settings
+
+    def validate(self, body: bytes, model: type[M]) -> M:
+        """The body as `model`, or a 400 saying what is wrong (pydantic's JSON parser also
+        refuses nesting deeper than 200 levels), or 404 for another model's name."""
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as exc:
+            message, param = describe_validation_error(exc)
+            raise APIError(400, message, param) from None
+        name = getattr(parsed, "model", None)
+        if name is not None and name not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.settings.model_name}`.",
+                           "model", "model_not_found")
+        return parsed
+
+    def completion(self, body: bytes) -> Prepared:
+        req = self.validate(body, CompletionRequest)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported: this engine generates left to right only", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(f"best_of ({req.best_of}) must equal n ({req.n}): this server does not rank "
+                              "hidden samples", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which this engine does not compute; "
+                              "drop one of them", "echo")
+        prompts = completion_prompts(self.tokenizer, req.prompt, req.add_special_tokens)
+        params = [
+            sampling_params(
+                req, self.limits,
+                max_new_tokens(req.max_tokens, 16, len(p.token_ids), self.limits, "max_tokens", "prompt"),
+                req.logprobs is not None, req.logprobs or 0, self.settings.max_n,
+            )
+            for p in prompts
+        ]
+        return Prepared(req, prompts, params)
+
+    def chat(self, body: bytes) -> Prepared:
+        req = self.validate(body, ChatCompletionRequest)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        prompt = chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
+                             escape_special_tokens=self.settings.escape_special_tokens)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        budget = max_new_tokens(requested, None, len(prompt.token_ids), self.limits, param, "messages")
+        params = sampling_params(req, self.limits, budget, req.logprobs, req.top_logprobs or 0, self.settings.max_n)
+        return Prepared(req, [prompt], [params])
+
+    def tokenize(self, body: bytes) -> dict:
+        """vLLM's two forms: {"prompt": ...} or {"messages": [...]}."""
+        try:  # a first look, to pick the schema; pydantic's parser has a depth limit (json's recursed)
+            chat = "messages" in pydantic_core.from_json(body)  # a list or a string: "in" works, schema refuses
+        except (ValueError, TypeError):
+            chat = False  # not JSON: the schema below says what is wrong
+        req = self.validate(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        if isinstance(req, TokenizeChatRequest):
+            ids = chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
+                              req.add_special_tokens, self.settings.escape_special_tokens).token_ids
+        else:
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        out = {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, body: bytes) -> dict:
+        req = self.validate(body, DetokenizeRequest)
+        return {"prompt": decode(self.tokenizer, req.tokens, "tokens")}
