@@ -5,7 +5,8 @@ time (its weights, ~2 GB, over ~4 TB/s), so the host work of a step (scheduling,
 and padding the batch, sampling bookkeeping, applying tokens) must stay below that for the
 GPU never to wait. This measures that host work on the CPU with the GPU layout (`reference`
 backend, async batching) and a one-layer model, as engine-thread CPU time per step minus
-the forward's, for several batch sizes. Run on a quiet machine; it prints a Markdown table.
+the forward's, for several batch sizes (`--backend torch` measures the CPU backend's own
+per-step planning too). Run on a quiet machine; it prints a Markdown table.
 
     .venv/bin/python benchmarks/host_overhead.py --batches 16 64 256 --new-tokens 100
 """
@@ -23,17 +24,17 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager  # noqa: E402
-from contbatch.engine import flat_runner, steps  # noqa: E402
+from contbatch.engine import core, step_runner  # noqa: E402
 from contbatch.scheduling import scheduler  # noqa: E402
 
 PHASES = {
-    "step": (steps.StepsMixin, "_step_flat"),
+    "step": (core.EngineCore, "step"),
     "schedule": (scheduler.Scheduler, "schedule"),
-    "build": (steps, "build_flat_batch"),
-    "launch": (flat_runner.FlatRunner, "launch"),
-    "forward": (flat_runner.FlatRunner, "_forward"),
-    "sample": (flat_runner.FlatRunner, "sample"),
-    "apply": (steps.StepsMixin, "_finish_flat"),
+    "build": (core, "build_step_batch"),
+    "launch": (step_runner.StepRunner, "launch"),
+    "forward": (step_runner.StepRunner, "_forward"),
+    "sample": (step_runner.StepRunner, "sample"),
+    "apply": (core.EngineCore, "_apply"),
 }
 
 
@@ -61,11 +62,11 @@ def tiny_model() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def measure(model, batch: int, new_tokens: int, totals: dict[str, float]) -> dict[str, float]:
+def measure(model, batch: int, new_tokens: int, totals: dict[str, float], backend: str = "reference") -> dict[str, float]:
     totals.clear()
     prompts = [[(7 * i + j) % 500 + 1 for j in range(16)] for i in range(batch)]
     gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
-    config = ContinuousBatchingConfig(block_size=16, attention_backend="reference", use_async_batching=True)
+    config = ContinuousBatchingConfig(block_size=16, attention_backend=backend, use_async_batching=backend != "torch")
     manager = ContinuousBatchingManager(model, gc, config)
     manager.start()
     for rid in manager.add_requests(prompts):
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--new-tokens", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
+    parser.add_argument("--backend", default="reference", choices=["reference", "torch"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     totals: dict[str, float] = {}
@@ -93,7 +95,8 @@ def main() -> None:
     print("| requests | " + " | ".join(cols) + " |")
     print("|---:|" + "---:|" * len(cols))
     for batch in args.batches:
-        best = min((measure(model, batch, args.new_tokens, totals) for _ in range(args.repeats)), key=lambda r: r["host"])
+        runs = (measure(model, batch, args.new_tokens, totals, args.backend) for _ in range(args.repeats))
+        best = min(runs, key=lambda r: r["host"])
         launch_only = best["launch"] - best["forward"]
         row = [best["host"], best["schedule"], best["build"], launch_only, best["sample"], best["apply"], best["forward"]]
         print(f"| {batch} | " + " | ".join(f"{v:.2f}" for v in row) + " |")

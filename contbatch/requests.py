@@ -22,7 +22,8 @@ PLACEHOLDER = -1
 
 
 class RequestStatus(str, Enum):
-    PENDING = "pending"
+    PENDING = "pending"  # queued, never scheduled
+    PREEMPTED = "preempted"  # queued again after KV pressure: offloaded, or soft reset
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
@@ -172,7 +173,7 @@ class RequestState:
         """Forget the KV: generated tokens stay in `all_token_ids` and get recomputed."""
         self.num_computed_tokens = 0
         self.committed_tokens = 0  # its published blocks stay cached; its own count restarts
-        self.status = RequestStatus.PENDING
+        self.status = RequestStatus.PREEMPTED
         self.soft_resets += 1
 
     def finish(self, status: RequestStatus, reason: str, error: str | None = None) -> None:

@@ -4,15 +4,15 @@ The reference engine drops its decode fast path silently when the kernel it need
 missing. Here every request that cannot be honoured becomes a warning (logged when the
 manager starts) and the resolved value says what actually runs.
 
-Backends:
+Every backend takes the same step layout (`StepMetadata`):
 - `torch`: the CPU path. Decode rows gather their keys and run batched matmuls; prefill
-  chunks run SDPA per request. Host-side metadata, so no CUDA graphs.
+  chunks run SDPA per request, planned on the host each step, so no CUDA graphs.
 - `triton`: our kernels (`triton_kernels.py`) over flat tensor metadata: a varlen kernel for
   mixed steps and a decode fast path that reads K/V in place through the block tables.
 - `flash`: `flash_attn_varlen_func` / `flash_attn_with_kvcache` over the same metadata; the
   cache is token-major and blocks a multiple of 256 tokens, as flash-attn's paged path needs.
-- `reference`: the flat metadata with PyTorch attention (`varlen_reference.py`): the GPU
-  batch layout, padding, graph buckets and async carry-over, testable on any device.
+- `reference`: the kernels' PyTorch reference (`varlen_reference.py`): the decode fast path,
+  padding to graph buckets and async carry-over, testable on any device.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
-FLAT_BACKENDS = ("triton", "flash", "reference")  # take `FlatMetadata`, not the torch path's
-FAST_PATH_BACKENDS = FLAT_BACKENDS
+KERNEL_BACKENDS = ("triton", "flash", "reference")  # kernels that walk the block tables
 GRAPH_BACKENDS = ("triton", "flash")  # no host syncs inside the forward
 FLASH_BLOCK_MULTIPLE = 256
 
@@ -91,7 +90,7 @@ def choose_backend(
             c.warnings.append(f"block_size rounded up from {block_size} to {c.block_size}: flash-attn's paged "
                               f"KV needs a multiple of {FLASH_BLOCK_MULTIPLE}")
 
-    fast_ok = c.name in FAST_PATH_BACKENDS
+    fast_ok = c.name in KERNEL_BACKENDS
     c.decode_fast_path = fast_ok if decode_fast_path is None else (decode_fast_path and fast_ok)
     if decode_fast_path and not fast_ok:
         c.warnings.append(f"decode_fast_path=True cannot run on the {c.name} backend (needs triton, flash or "
@@ -105,11 +104,7 @@ def choose_backend(
         why = "no GPU" if not cuda else f"the {c.name} backend syncs with the host inside the forward"
         c.warnings.append(f"use_cuda_graph=True cannot run: {why}; steps run eagerly")
 
-    async_ok = c.name in FLAT_BACKENDS
-    c.use_async_batching = c.use_cuda_graph if use_async_batching is None else (use_async_batching and async_ok)
-    if use_async_batching and not async_ok:
-        c.warnings.append(f"use_async_batching=True needs a flat-metadata backend {FLAT_BACKENDS}, "
-                          f"not {c.name}; steps run one after another")
-    elif c.use_async_batching and not cuda:
+    c.use_async_batching = c.use_cuda_graph if use_async_batching is None else use_async_batching
+    if c.use_async_batching and not cuda:
         c.notes.append("async batching on the CPU keeps its carry-over pipeline but overlaps nothing")
     return c

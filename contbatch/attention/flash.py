@@ -1,4 +1,4 @@
-"""flash-attn's paged kernels behind the flat-metadata calls (see kernels.py).
+"""flash-attn's paged kernels behind the kernel backend's calls (see kernels.py).
 
 flash-attn reads a token-major cache, `[num_blocks, block_size, H_kv, D]`, with block_size a
 multiple of 256; the backend choice sets both. Its window is `(left, right)` with a key
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from .metadata import FlatMetadata
+from .metadata import StepMetadata
 
 
 def _paged(cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -23,7 +23,7 @@ def _window(sliding_window: int | None) -> tuple[int, int]:
     return (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
 
 
-def flash_decode(q, k, v, meta: FlatMetadata, scale: float, sliding_window: int | None, softcap: float | None):
+def flash_decode(q, k, v, meta: StepMetadata, scale: float, sliding_window: int | None, softcap: float | None):
     bs = meta.cache.block_size
     out = flash_attn_with_kvcache(
         q.unsqueeze(1), _paged(k, bs), _paged(v, bs), cache_seqlens=meta.kv_lens, block_table=meta.block_table,
@@ -32,7 +32,7 @@ def flash_decode(q, k, v, meta: FlatMetadata, scale: float, sliding_window: int 
     return out.squeeze(1)
 
 
-def flash_varlen(q, k, v, meta: FlatMetadata, scale: float, sliding_window: int | None, softcap: float | None):
+def flash_varlen(q, k, v, meta: StepMetadata, scale: float, sliding_window: int | None, softcap: float | None):
     bs = meta.cache.block_size
     return flash_attn_varlen_func(
         q, _paged(k, bs), _paged(v, bs), meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q_len, meta.max_kv_len,

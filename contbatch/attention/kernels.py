@@ -1,33 +1,66 @@
-"""The attention functions of a flat-metadata backend, loaded once at start-up.
+"""The attention backend a manager runs, loaded once at start-up.
 
-Each backend provides the same two calls, `(q, k_cache, v_cache, meta, scale, window,
-softcap) -> [T, H, D]`, with `q: [T, H, D]` and caches as logical `[H_kv, slots, D]` views:
-`decode` for decode-only steps (the fast path; None when it is off) and `varlen` for any
-step. Their modules are imported here only, so a machine without Triton or flash-attn never
-imports them.
+Every backend takes the same `StepMetadata` and answers two calls: `prepare(host, cache)`,
+once per step on the host copies (what it derives is shared by every layer), and `attend`,
+once per layer. The kernel backends (`triton`, `flash`, `reference`) need nothing prepared:
+their kernels walk the block tables themselves, a `decode` kernel for decode-only steps (the
+fast path; None when it is off) and a `varlen` one for any step, with `q: [T, H, D]` and
+caches as logical `[H_kv, slots, D]` views. The `torch` backend (`torch_backend.py`) plans
+batched decode groups and per-request prefill rows instead. Optional modules are imported
+here only, so a machine without Triton or flash-attn never imports them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .metadata import FlatMetadata
+from ..cache.paged_cache import PagedAttentionCache
+from .metadata import StepMetadata
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, FlatMetadata, float, int | None, float | None], torch.Tensor]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata, float, int | None, float | None], torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    name: str
+    fast_decode: bool  # decode-only steps take a kernel of their own
+    kv_keyed: bool  # the launch takes the longest key length from the host (flash-attn)
+    # Triton's varlen kernel runs one program per query tile; these size and fill the tile map.
+    varlen_tiles: Callable[[torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]] | None
+    max_varlen_tiles: Callable[[int, int], int] | None
+
+    def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> object: ...
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
+               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
-class AttentionKernels:
+class KernelBackend:
     name: str
     decode: Kernel | None
     varlen: Kernel
-    # Triton's varlen kernel runs one program per query tile; these size and fill the tile map.
     varlen_tiles: Callable[[torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]] | None = None
     max_varlen_tiles: Callable[[int, int], int] | None = None
-    kv_keyed: bool = False  # the launch takes the longest key length from the host
+    kv_keyed: bool = False
+
+    @property
+    def fast_decode(self) -> bool:
+        return self.decode is not None
+
+    def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> None:
+        return None
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
+               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """Keys come from the cache only (this step's were just written): `[1, T, H, D]` out."""
+        q = query[0].transpose(0, 1)  # [T, H, D]; contiguous, as the projections lay it out
+        k_cache, v_cache = meta.cache.kv(layer)
+        kernel = self.decode if meta.decode_only and self.decode is not None else self.varlen
+        return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0)
 
 
 def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -> tuple[Kernel, Kernel]:
@@ -45,19 +78,23 @@ def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -
     return decode, varlen
 
 
-def load_kernels(name: str, decode_fast_path: bool, block_size: int) -> AttentionKernels:
+def load_backend(name: str, decode_fast_path: bool, block_size: int) -> AttentionBackend:
+    if name == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend()
     if name == "triton":
         from . import triton_kernels as tk
 
         decode, varlen = _paged_adapters(tk.paged_decode_attention, tk.paged_varlen_attention, block_size)
-        return AttentionKernels(name, decode if decode_fast_path else None, varlen, tk.varlen_tiles, tk.max_varlen_tiles)
+        return KernelBackend(name, decode if decode_fast_path else None, varlen, tk.varlen_tiles, tk.max_varlen_tiles)
     if name == "reference":
         from . import varlen_reference as ref
 
         decode, varlen = _paged_adapters(ref.reference_decode_attention, ref.reference_varlen_attention, block_size)
-        return AttentionKernels(name, decode if decode_fast_path else None, varlen)
+        return KernelBackend(name, decode if decode_fast_path else None, varlen)
     if name == "flash":
         from .flash import flash_decode, flash_varlen
 
-        return AttentionKernels(name, flash_decode if decode_fast_path else None, flash_varlen, kv_keyed=True)
-    raise ValueError(f"{name!r} is not a flat-metadata attention backend")
+        return KernelBackend(name, flash_decode if decode_fast_path else None, flash_varlen, kv_keyed=True)
+    raise ValueError(f"unknown attention backend {name!r}")

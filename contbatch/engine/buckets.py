@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .flat_batch import FlatBatch
+from .step_batch import StepBatch
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class StepShape:
     num_requests: int
     num_tiles: int  # query tiles of the varlen kernel (0 where the backend does not tile)
     max_kv_len: int  # key-length bucket (0 where the backend does not take it from the host)
+    num_logits: int  # rows the lm-head runs over: every request in a graph, the sampled ones eagerly
 
 
 def next_power_of_two(n: int) -> int:
@@ -52,7 +53,7 @@ class Bucketing:
     fast_decode: bool = True  # decode-only steps take the decode kernel (else the varlen one)
     graph_max_tokens: int = 1 << 62  # varlen steps padded past this run eagerly, unpadded
 
-    def graphable(self, batch: FlatBatch) -> bool:
+    def graphable(self, batch: StepBatch) -> bool:
         return batch.decode_only or round_up(batch.num_tokens, self.q_interval) <= self.graph_max_tokens
 
     def _tiles(self, decode_only: bool, tokens: int, requests: int) -> int:
@@ -60,26 +61,27 @@ class Bucketing:
             return 0
         return self.tiles_for(tokens, requests)
 
-    def exact(self, batch: FlatBatch) -> StepShape:
+    def exact(self, batch: StepBatch) -> StepShape:
         """No padding: the eager path runs the step as it is."""
         t, b = batch.num_tokens, batch.num_requests
         tiles = self._tiles(batch.decode_only, t, b)
-        return StepShape(batch.decode_only, t, b, tiles, batch.max_kv_len if self.kv_keyed else 0)
+        return StepShape(batch.decode_only, t, b, tiles, batch.max_kv_len if self.kv_keyed else 0,
+                         len(batch.sampled))
 
-    def padded(self, batch: FlatBatch) -> StepShape:
+    def padded(self, batch: StepBatch) -> StepShape:
         if batch.decode_only:
             b = decode_bucket(batch.num_requests, self.max_requests)
             kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed and not self.fast_decode else 0
-            return StepShape(True, b, b, self._tiles(True, b, b), kv)
+            return StepShape(True, b, b, self._tiles(True, b, b), kv, b)
         t = round_up(batch.num_tokens, self.q_interval)
         b = min(t, self.max_requests)  # every request has a token: never more requests than tokens
         tiles = self._tiles(False, t, b)
         kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed else 0
-        return StepShape(False, t, b, tiles, kv)
+        return StepShape(False, t, b, tiles, kv, b)
 
 
 def pad_batch(
-    batch: FlatBatch, shape: StepShape, table_width: int, trash_block: int, write_trash_slot: int
+    batch: StepBatch, shape: StepShape, table_width: int, trash_block: int, write_trash_slot: int
 ) -> dict[str, torch.Tensor]:
     """Host tensors of exactly `shape`: the real step first, then padding rows.
 
@@ -88,7 +90,7 @@ def pad_batch(
     """
     t, b = batch.num_tokens, batch.num_requests
     pad_t, pad_b = shape.num_tokens - t, shape.num_requests - b
-    if pad_t < 0 or pad_b < 0 or batch.block_table.shape[1] > table_width:
+    if pad_t < 0 or pad_b < 0 or shape.num_logits < len(batch.sampled) or batch.block_table.shape[1] > table_width:
         raise ValueError(f"a step of {t} tokens, {b} requests does not fit {shape} (table width {table_width})")
 
     def extend(x: torch.Tensor, n: int, value: int) -> torch.Tensor:
@@ -114,6 +116,6 @@ def pad_batch(
         "cu_seqlens_k": cu_k,
         "kv_lens": kv_lens,
         "block_table": table,
-        # Every request row may sample: the lm-head runs over a fixed number of rows.
-        "logits_indices": extend(logits, shape.num_requests - logits.shape[0], 0),
+        # In a graph every request row may sample: the lm-head runs over a fixed number of rows.
+        "logits_indices": extend(logits, shape.num_logits - logits.shape[0], 0),
     }

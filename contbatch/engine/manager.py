@@ -1,8 +1,10 @@
 """The long-lived engine: a background thread that steps the model while requests come and go.
 
-Other threads talk to it only through thread-safe structures: an inbox queue for commands
-(add, cancel, wake) and the `ResultStore` for what comes back. Request state is touched by
-the engine thread alone.
+The manager is the front end: it validates submissions (`submission.py`), runs the thread,
+and keeps the results (`results.py`); the thread drives the `EngineCore` (`core.py`), which
+owns the scheduler, the cache and the runner. Other threads talk to the engine only through
+thread-safe structures: an inbox queue for commands (add, cancel, wake) and the
+`ResultStore` for what comes back. Request state is touched by the engine thread alone.
 """
 
 from __future__ import annotations
@@ -15,21 +17,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..attention.backend import FLAT_BACKENDS
-from ..attention.kernels import load_kernels
 from ..attention.paged import attach, detach
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus
 from ..sampling.params import SamplingParams
-from ..scheduling.scheduler import SCHEDULER_MAPPING, Scheduler
-from .buckets import Bucketing
-from .flat_runner import FlatRunner, InFlight
-from .graphs import GraphCache, capture_cuda_graph
+from ..scheduling.scheduler import Scheduler
+from .core import EngineCore
 from .resolve import describe, resolve_config
 from .results import ResultStore
-from .runner import ModelRunner
-from .steps import StepsMixin
 from .stopping import stop_defaults
 from .submission import RequestBuilder
 from .threads import release_openmp_pool
@@ -39,7 +35,7 @@ logger = logging.getLogger("contbatch")
 _IDLE_POLL_S = 0.05
 
 
-class ContinuousBatchingManager(StepsMixin):
+class ContinuousBatchingManager:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -51,51 +47,36 @@ class ContinuousBatchingManager(StepsMixin):
         self.config = config or ContinuousBatchingConfig()
         self.defaults = stop_defaults(model, generation_config)
         self.resolved_config: ResolvedConfig
-        self.resolved_config, self._layout = resolve_config(self.config, model)
+        self.resolved_config, layout = resolve_config(self.config, model)
         self.tokenizer = tokenizer
         vocab = model.get_input_embeddings().num_embeddings
         self._builder = RequestBuilder(self.resolved_config, self.defaults, vocab, tokenizer)
-        self.cache: PagedAttentionCache | None = None
-        self.scheduler: Scheduler | None = None
-        self._runner = ModelRunner(model)
-        self._flat: FlatRunner | None = None  # the GPU-layout runner, for flat-metadata backends
-        self._inflight: InFlight | None = None  # async batching: the step whose tokens are not read yet
+        self.core: EngineCore | None = EngineCore(model, self.resolved_config, layout, self._publish)
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
-        self._host_kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # offloaded requests
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stop_mode: str | None = None  # None, "graceful", "hard"
-        self._destroyed = False
         self._saved_attn: str | None = None
-        self.steps = 0
-        self.decode_only_steps = 0  # flat path: steps taken by the decode kernel, and their rows
-        self.decode_only_rows = 0
-        self.forward_seconds = 0.0
-        self.step_seconds = 0.0
+
+    @property
+    def cache(self) -> PagedAttentionCache | None:
+        return self.core.cache if self.core else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.core.scheduler if self.core else None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        if self._destroyed:
+        if self.core is None:
             raise RuntimeError("this manager was destroyed; create a new one")
         if self.is_running():
             logger.warning("contbatch manager already running; start() ignored")
             return
         r = self.resolved_config
-        if self.cache is None:
-            self.cache = PagedAttentionCache(
-                self._layout, r.num_blocks, r.block_size, r.device, r.prefix_sharing, r.prefix_cache_eviction,
-                token_major=r.kv_layout == "token-major",
-            )
-            if r.attention_backend in FLAT_BACKENDS:
-                self._flat = self._flat_runner(r)
-        self.scheduler = SCHEDULER_MAPPING[r.scheduler_type](
-            self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin,
-            r.cpu_offload_blocks, r.hold_shared_prefixes,
-        )
-        self._host_kv.clear()
         self._saved_attn = attach(self.model)
         logger.info(describe(r))
         for warning in r.warnings:
@@ -107,21 +88,6 @@ class ContinuousBatchingManager(StepsMixin):
         release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="contbatch-engine", daemon=True)
         self._thread.start()
-
-    def _flat_runner(self, r: ResolvedConfig) -> FlatRunner:
-        kernels = load_kernels(r.attention_backend, r.decode_fast_path, r.block_size)
-        bucketing = Bucketing(
-            r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
-            kernels.max_varlen_tiles, kernels.kv_keyed, fast_decode=kernels.decode is not None,
-            graph_max_tokens=r.cuda_graph_max_tokens,
-        )
-        graphs = None
-        if r.use_cuda_graph:
-            graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
-        return FlatRunner(
-            self.model, self.cache, kernels, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
-            num_slots=2 if r.use_async_batching else 1, graphs=graphs,
-        )
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
         """Graceful: finish everything submitted. Hard: fail what is not finished.
@@ -146,10 +112,9 @@ class ContinuousBatchingManager(StepsMixin):
         self._fail_all("manager stopped before the request was scheduled")
 
     def destroy(self) -> None:
+        """Stop (hard) and free the KV cache; the manager cannot start again."""
         self.stop(hard_stop=True)
-        self.cache = None
-        self.scheduler = None
-        self._destroyed = True
+        self.core = None
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -235,7 +200,9 @@ class ContinuousBatchingManager(StepsMixin):
         return leaders + [f[2] for f in followers]
 
     def _submit(self, groups: list[list[RequestState]], queue_chunks: bool = True) -> None:
-        with self._results.lock():
+        with self._results.lock():  # the engine thread stops accepting under the same lock
+            if not self._accepting:
+                raise RuntimeError("the manager is not running: call start() before adding requests")
             self._results.register(groups, self.resolved_config.max_queue_size, queue_chunks)
             for states in groups:
                 if len(states) > 1:
@@ -275,8 +242,13 @@ class ContinuousBatchingManager(StepsMixin):
         self._results.handlers.append(callback)
 
     def _publish(self, state: RequestState) -> None:
+        """The core's output: a streamed chunk, or a request's end (engine thread)."""
         if state.status.is_done and state.detokenizer is not None:
-            state.delta_text += state.detokenizer.update(state.known_tokens, final=True)
+            try:
+                state.delta_text += state.detokenizer.update(state.known_tokens, final=True)
+            except Exception as exc:  # its text cannot be made: the request fails, nothing else
+                logger.exception("detokenizing %s failed", state.request_id)
+                state.finish(RequestStatus.FAILED, "error", f"detokenizing the output failed: {exc!r}")
         self._results.publish(state, state.parent_id or state.request_id)
         # The store ends the parent only once its last sample has ended.
         if state.parent_id in self._samples and state.parent_id not in self._results.live:
@@ -288,7 +260,9 @@ class ContinuousBatchingManager(StepsMixin):
             with torch.inference_mode():  # once for the thread, not per step
                 self._loop()
         finally:  # however the loop ended (stop(), a crash): the model is the user's again
-            self._accepting = False
+            with self._results.lock():  # no submission gets past this point any more...
+                self._accepting = False
+            self._fail_all("manager stopped before the request was scheduled")  # ...and any that did is answered
             if self._saved_attn is not None:
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
@@ -296,17 +270,18 @@ class ContinuousBatchingManager(StepsMixin):
     def _loop(self) -> None:
         try:
             while True:
-                busy = self.scheduler.has_work() or self._inflight is not None
-                self._drain_inbox(block=not busy)
+                self._drain_inbox(block=not self.core.has_work())
                 if self._stop_mode == "hard":
                     break
-                busy = self.scheduler.has_work() or self._inflight is not None
+                busy = self.core.has_work()
                 if self._stop_mode == "graceful" and not busy and self._inbox.empty():
                     break
                 if busy:
-                    self._step() if self._flat is None else self._step_flat()
+                    self.core.step()
         except Exception as exc:  # a bug in the loop itself: fail everything, lose nothing
             logger.exception("contbatch engine loop crashed")
+            with self._results.lock():
+                self._accepting = False
             self._fail_all(f"engine loop crashed: {exc!r}")
             return
         if self._stop_mode == "hard":
@@ -320,24 +295,17 @@ class ContinuousBatchingManager(StepsMixin):
         while True:
             kind, payload = item
             if kind == "add":
-                self.scheduler.add(payload)
+                self.core.scheduler.add(payload)
             elif kind == "cancel":
                 for rid in self._samples.get(payload, [payload]):
-                    self._cancel(rid)
+                    self.core.cancel(rid)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _cancel(self, request_id: str) -> None:
-        self._host_kv.pop(request_id, None)
-        state = self.scheduler.remove(request_id)
-        if state is None:
-            return  # already finished, or unknown: nothing to do
-        state.finish(RequestStatus.CANCELLED, "cancelled")
-        self._publish(state)
-
     def _fail_all(self, reason: str) -> None:
+        """Fail every request the engine holds, and those still in the inbox."""
         pending = []
         while True:
             try:
@@ -346,43 +314,16 @@ class ContinuousBatchingManager(StepsMixin):
                 break
             if kind == "add":
                 pending.append(payload)
-        if self.scheduler is not None:
-            pending += list(self.scheduler.waiting) + list(self.scheduler.running.values())
-        self._host_kv.clear()
-        self._inflight = None  # its requests are among those failed here
-        for state in pending:
-            self._fail(state, reason)
+        if self.core is not None:
+            self.core.fail_all(reason, pending)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters for tests, logs and the server's metrics (read without locking: a
         snapshot may mix values from two consecutive steps)."""
-        sched, cache = self.scheduler, self.cache
-        graphs = self._flat.graphs if self._flat else None
-        bm = cache.block_manager if cache else None
-        queries = bm.prefix_queries if bm else 0
-        hits = bm.prefix_hits if bm else 0
+        core = self.core.stats() if self.core else {}
         return {
-            "steps": self.steps,
-            "soft_resets": sched.soft_resets if sched else 0,
-            "held_for_prefix": sched.held_for_prefix if sched else 0,
-            "offloads": sched.offloads if sched else 0,
-            "restores": sched.restores if sched else 0,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": hits,
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "cached_blocks": bm.num_cached_blocks if bm else 0,
-            "free_blocks": bm.num_free_blocks if bm else 0,
-            "running": len(sched.running) if sched else 0,
-            "waiting": len(sched.waiting) if sched else 0,
+            **core,
             "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
             "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
-            "step_seconds": self.step_seconds,
-            "forward_seconds": self.forward_seconds,
-            "decode_only_steps": self.decode_only_steps,
-            "decode_only_rows": self.decode_only_rows,
-            "gpu_busy_seconds": self._flat.busy_seconds if self._flat else 0.0,
-            "gpu_decode_seconds": self._flat.decode_seconds if self._flat else 0.0,
-            "graph_captures": graphs.captures if graphs else 0,
-            "graph_replays": graphs.replays if graphs else 0,
         }

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.block_manager import BlockManager
+from ..cache.offload import HostKVTier
 from ..requests import RequestState, RequestStatus
 
 
@@ -41,7 +42,6 @@ class StepPlan:
     preempted: list[RequestState] = field(default_factory=list)  # soft reset this step
     offloaded: list[Offload] = field(default_factory=list)  # copy out before the forward
     restored: list[RequestState] = field(default_factory=list)  # copy back in before the forward
-    starved: list[RequestState] = field(default_factory=list)  # could not get blocks this step
     held_by_margin: int = 0  # waiting requests held back by the safety margin
 
     @property
@@ -58,7 +58,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float = 0.0,
-        offload_capacity_blocks: int = 0,
+        host: HostKVTier | None = None,
         hold_shared_prefixes: bool = True,
     ) -> None:
         if not 0.0 <= safety_margin <= 1.0:
@@ -69,9 +69,8 @@ class Scheduler:
         self.safety_margin = safety_margin
         self.waiting: deque[RequestState] = deque()
         self.running: dict[str, RequestState] = {}
-        self.offload_capacity_blocks = offload_capacity_blocks
-        self.offloaded_blocks = 0  # host blocks in use by offloaded requests
-        self._offloaded: dict[str, int] = {}  # request id -> host blocks it holds
+        # Where victims' KV waits (capacity 0: no tier, victims are soft reset).
+        self.host = host if host is not None else HostKVTier(None, 0)
         self.soft_resets = 0
         self.offloads = 0
         self.restores = 0
@@ -88,9 +87,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def find(self, request_id: str) -> RequestState | None:
+        state = self.running.get(request_id)
+        if state is None:
+            state = next((s for s in self.waiting if s.request_id == request_id), None)
+        return state
+
     def remove(self, request_id: str) -> RequestState | None:
-        """Take a request out wherever it is (cancel, failure) and free its blocks."""
-        self.offloaded_blocks -= self._offloaded.pop(request_id, 0)
+        """Take a request out wherever it is (finished, cancelled, failed) and free its
+        blocks, here and in the host tier."""
+        self.host.drop(request_id)
         state = self.running.pop(request_id, None)
         if state is None:
             for i, waiting in enumerate(self.waiting):
@@ -102,30 +108,22 @@ class Scheduler:
         self._hashes.pop(request_id, None)
         return state
 
-    def finish(self, state: RequestState) -> None:
-        """Retire a request; with async batching it may have been preempted back into the
-        queue while its last step was in flight, so look everywhere."""
-        self.remove(state.request_id)
-
     def _preempt(self, state: RequestState, plan: StepPlan) -> None:
         """Make room: offload the victim's KV to host memory if it fits there, else soft
         reset it (blocks freed, tokens kept, recomputed later). Either way it queues again
         ahead of new arrivals."""
         del self.running[state.request_id]
         blocks = list(self.block_manager.table(state.request_id))
-        n_host = len(blocks)
-        if state.num_computed_tokens and self.offloaded_blocks + n_host <= self.offload_capacity_blocks:
+        if state.num_computed_tokens and self.host.fits(len(blocks)):
             plan.offloaded.append(Offload(state, blocks, state.num_computed_tokens))
-            self._offloaded[state.request_id] = n_host
-            self.offloaded_blocks += n_host
-            state.status = RequestStatus.PENDING
+            self.host.reserve(state.request_id, len(blocks))
+            state.status = RequestStatus.PREEMPTED
             self.offloads += 1
         else:
             state.soft_reset()
             self.soft_resets += 1
             plan.preempted.append(state)
         self.block_manager.free(state.request_id)
-        plan.starved.append(state)
         # Back in arrival order, ahead of anything that came after it.
         at = next((i for i, w in enumerate(self.waiting) if w.arrival > state.arrival), len(self.waiting))
         self.waiting.insert(at, state)
@@ -167,7 +165,7 @@ class Scheduler:
             if plan.chunks and bm.num_free_blocks < reserve:
                 plan.held_by_margin = len(self.waiting) - len(admitted)
                 break
-            restoring = state.request_id in self._offloaded
+            restoring = self.host.holds(state.request_id)
             fresh = not restoring and state.num_computed_tokens == 0
             if fresh and in_progress is not None and self._prefix_in_progress(state, in_progress):
                 self.held_for_prefix += 1
@@ -180,11 +178,10 @@ class Scheduler:
                 if not restoring:  # give back any prefix it matched; it stays at the head
                     bm.free(state.request_id)
                     state.num_computed_tokens = 0
-                plan.starved.append(state)
                 break  # FIFO: nobody overtakes the head of the queue
             bm.ensure(state.request_id, state.num_computed_tokens + got)
             if restoring:
-                self.offloaded_blocks -= self._offloaded.pop(state.request_id)
+                self.host.release(state.request_id)
                 self.restores += 1
                 plan.restored.append(state)
             admitted.append(state)
@@ -262,8 +259,6 @@ class Scheduler:
             return room
         if len(self.running) > 1:
             self._preempt(state, plan)
-        else:
-            plan.starved.append(state)
         return 0
 
 

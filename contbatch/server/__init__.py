@@ -8,7 +8,7 @@
     params.py       request fields -> SamplingParams, context and budget checks
     prompts.py      text, token ids and chat messages -> prompt token ids
     async_engine.py engine thread -> asyncio: per-request queues, cancellation
-    generation.py   JSON bodies and SSE streams, client disconnects
+    responses.py    JSON bodies and SSE streams (ResponseWriter), client disconnects
     formatting.py   OpenAI response shapes: choices, chunks, logprobs, usage
     metrics.py      Prometheus metrics, vLLM's names with a contbatch: prefix
     gate.py         503 while draining, API keys, requests in flight

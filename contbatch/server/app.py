@@ -23,7 +23,7 @@ from .async_engine import AsyncEngine
 from .bodies import read_body
 from .errors import APIError, install_handlers
 from .gate import Gate, ServerState
-from .generation import Generator, Job
+from .responses import Job, ResponseWriter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .params import Limits
 from .preparation import Preparer
@@ -39,7 +39,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     state = ServerState()
     metrics = ServerMetrics(manager.stats, resolved.num_blocks, settings.model_name, lambda: state.inflight)
     engine = AsyncEngine(manager, metrics)
-    generator = Generator(engine, tokenizer, lambda: state.draining)
+    writer = ResponseWriter(engine, tokenizer, lambda: state.draining)
     preparer = Preparer(tokenizer, limits, settings)
     pool = WorkerPool(settings.worker_threads, settings.max_queued_jobs)
     created = int(time.time())
@@ -112,17 +112,18 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
         work = await pool.run(preparer.completion, await body(request))
         req = work.req
         sub = engine.submit([p.token_ids for p in work.prompts], work.params, req.stream, "cmpl")
-        job = Job(False, sub, settings.model_name, work.prompts, req.n, req.logprobs is not None, echo=req.echo,
+        job = Job(chat=False, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n,
+                  logprobs=req.logprobs is not None, echo=req.echo,
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return await generator.respond(job, request, req.stream)
+        return await writer.respond(job, request, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         work = await pool.run(preparer.chat, await body(request))
         req = work.req
         sub = engine.submit([work.prompts[0].token_ids], work.params, req.stream, "chatcmpl")
-        job = Job(True, sub, settings.model_name, work.prompts, req.n, req.logprobs,
+        job = Job(chat=True, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n, logprobs=req.logprobs,
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return await generator.respond(job, request, req.stream)
+        return await writer.respond(job, request, req.stream)
 
     return app

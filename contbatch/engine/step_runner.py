@@ -1,6 +1,7 @@
-"""Steps in the GPU layout: static I/O slots, CUDA graphs, and three streams.
+"""Running a step on the model: static I/O slots, CUDA graphs, and three streams.
 
-A step goes through three calls, so that the manager can overlap them across steps:
+One runner for every device and backend. A step goes through three calls, so that the engine
+can overlap them across steps:
 `launch` copies the step's inputs to the device (host-to-device stream), fills in tokens
 still being sampled by the previous step (carry-over), and enqueues the forward (compute
 stream; a graph replay when its padded shape was seen before); `sample` enqueues token
@@ -9,7 +10,7 @@ the copy back (device-to-host stream); `wait` blocks until that copy has landed.
 
 Inputs live in per-slot buffers of fixed addresses, two slots when async batching is on:
 step N+1 is written into one while step N's forward still reads the other. On a CPU the
-streams are no-ops and everything runs in call order, which is what the tests exercise.
+streams are no-ops and everything runs in call order: the same code, exercised by the tests.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.kernels import AttentionKernels
-from ..attention.metadata import FlatMetadata
+from ..attention.kernels import AttentionBackend
+from ..attention.metadata import StepMetadata
 from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache
 from ..faults import inject
 from ..sampling.sampler import SampleResult, Sampler
 from .buckets import Bucketing, StepShape, pad_batch, round_up
-from .flat_batch import FlatBatch, apply_carry
+from .step_batch import StepBatch, apply_carry
 from .graphs import GraphCache
 
 _LONG = ("input_ids", "carry", "positions", "write_slots", "logits_indices")
@@ -93,7 +94,7 @@ class IOSlot:
         bufs = getattr(self, which)
         t, b = shape.num_tokens, shape.num_requests
         sizes = dict.fromkeys(("input_ids", "carry", "positions", "write_slots"), t)
-        sizes.update(cu_seqlens_q=b + 1, cu_seqlens_k=b + 1, kv_lens=b, logits_indices=b, block_table=b)
+        sizes.update(cu_seqlens_q=b + 1, cu_seqlens_k=b + 1, kv_lens=b, logits_indices=shape.num_logits, block_table=b)
         sizes.update(tile_request=shape.num_tiles, tile_start=shape.num_tiles)
         views = {name: bufs[name][:n] for name, n in sizes.items()}
         if len(self._views) < 256:  # exact (unpadded) shapes are many; keep the cache bounded
@@ -105,7 +106,7 @@ class IOSlot:
 class InFlight:
     """A launched step: what the manager needs to finish it later."""
 
-    batch: FlatBatch
+    batch: StepBatch
     shape: StepShape
     slot: IOSlot
     logits: torch.Tensor
@@ -116,12 +117,12 @@ class InFlight:
     result: SampleResult | None = None
 
 
-class FlatRunner:
+class StepRunner:
     def __init__(
         self,
         model: torch.nn.Module,
         cache: PagedAttentionCache,
-        kernels: AttentionKernels,
+        backend: AttentionBackend,
         bucketing: Bucketing,
         max_tokens: int,
         table_width: int,
@@ -131,7 +132,7 @@ class FlatRunner:
     ) -> None:
         self.model = model
         self.cache = cache
-        self.kernels = kernels
+        self.backend = backend
         self.bucketing = bucketing
         self.graphs = graphs
         self.sampler = sampler or Sampler()
@@ -139,7 +140,7 @@ class FlatRunner:
         self.table_width = table_width
         self.max_tokens = round_up(max_tokens, bucketing.q_interval)
         self.max_requests = bucketing.max_requests
-        self.max_tiles = kernels.max_varlen_tiles(self.max_tokens, self.max_requests) if kernels.max_varlen_tiles else 0
+        self.max_tiles = backend.max_varlen_tiles(self.max_tokens, self.max_requests) if backend.max_varlen_tiles else 0
         self.slots = [self._slot(i) for i in range(num_slots)]
         self._next_slot = 0
         self.busy_seconds = 0.0  # device time of forwards and sampling (CUDA events)
@@ -158,23 +159,24 @@ class FlatRunner:
         return IOSlot(index, device, host, torch.zeros(b, dtype=torch.long, device=dev))
 
     # -- launch --------------------------------------------------------------------------
-    def shape_of(self, batch: FlatBatch) -> tuple[StepShape, bool]:
+    def shape_of(self, batch: StepBatch) -> tuple[StepShape, bool]:
         """The step's shape, and whether it runs as a graph (padded to a bucket)."""
         if self.graphs is not None and self.bucketing.graphable(batch):
             return self.bucketing.padded(batch), True
         return self.bucketing.exact(batch), False
 
     @torch.inference_mode()
-    def launch(self, batch: FlatBatch, prev: InFlight | None) -> InFlight:
+    def launch(self, batch: StepBatch, prev: InFlight | None) -> InFlight:
         slot = self.slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.slots)
         shape, graphed = self.shape_of(batch)
         host = pad_batch(batch, shape, self.table_width, self.cache.num_blocks, self.cache.write_trash_slot)
         none = torch.zeros(0, dtype=torch.int32)
         host["tile_request"], host["tile_start"] = (
-            self.kernels.varlen_tiles(host["cu_seqlens_q"], shape.num_tiles) if shape.num_tiles else (none, none)
+            self.backend.varlen_tiles(host["cu_seqlens_q"], shape.num_tiles) if shape.num_tiles else (none, none)
         )
         self._upload(slot, shape, host)
+        prepared = self.backend.prepare(host, self.cache)
 
         views = slot.views(shape)
         s = self.streams
@@ -183,7 +185,7 @@ class FlatRunner:
             start = s.record("compute", timing=True)
             if prev is not None:
                 apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
-            logits = self._forward(slot, shape, views, graphed)
+            logits = self._forward(slot, shape, views, graphed, prepared)
             events = [(start, s.record("compute", timing=True))]
         computed = [c.state.num_computed_tokens + c.num_tokens for c in batch.chunks]
         return InFlight(batch, shape, slot, logits, computed, events=events)
@@ -203,10 +205,11 @@ class FlatRunner:
                 device[name].copy_(view, non_blocking=True)
             slot.h2d_done = s.record("h2d")
 
-    def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor], graphed: bool) -> torch.Tensor:
-        meta = FlatMetadata(
+    def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor], graphed: bool,
+                 prepared: object) -> torch.Tensor:
+        meta = StepMetadata(
             cache=self.cache,
-            kernels=self.kernels,
+            backend=self.backend,
             decode_only=shape.decode_only,
             write_slots=views["write_slots"],
             cu_seqlens_q=views["cu_seqlens_q"],
@@ -217,6 +220,7 @@ class FlatRunner:
             tile_start=views["tile_start"] if shape.num_tiles else None,
             max_q_len=shape.num_tokens,
             max_kv_len=shape.max_kv_len,
+            prepared=prepared,
         )
 
         inject("forward")
@@ -228,7 +232,7 @@ class FlatRunner:
                 attention_mask=ENGINE_MASK,
                 logits_to_keep=views["logits_indices"],
                 use_cache=False,
-                cb_meta=meta,
+                step_metadata=meta,
             )
             return out.logits[0]
 

@@ -1,9 +1,14 @@
-"""A step in the GPU layout: flat index tensors only, nothing the forward must read on the host.
+"""One step's inputs, in the one layout every backend and device takes.
 
-The torch path (`batch.py`) groups rows on the host; the kernels and CUDA graphs want plain
-tensors instead: cumulative query lengths, key lengths and block tables, which the kernels
-walk themselves. Built in bulk from the plan, on the host, then padded (`buckets.py`) and
-copied to the device in one go (`flat_runner.py`).
+The step's tokens are one flat `[T]` row; plain index tensors say how they split into
+requests: cumulative query lengths, key lengths, block tables, cache slots for the new K/V,
+and the rows whose logits are sampled. Kernels and CUDA graphs walk these themselves; a
+backend that wants more (the CPU's batched decode groups) derives it from the host copies in
+its `prepare`. Built in bulk from the plan, on the host, then padded (`buckets.py`) and
+copied to the device in one go (`step_runner.py`).
+
+Single-token rows come first, shortest first: the order costs nothing to kernels that walk
+the tables, and lets the CPU backend batch decode rows of similar length.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from itertools import chain
 import numpy as np
 import torch
 
+from ..cache.block_manager import BlockManager
 from ..requests import PLACEHOLDER, RequestState
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
 
 
 @dataclass
-class FlatBatch:
+class StepBatch:
     input_ids: torch.Tensor  # [T] int64; tokens still being sampled are 0 here...
     carry: torch.Tensor  # [T] int64: ...and name the previous step's sampled row to take (-1: none)
     positions: torch.Tensor  # [T] int64
@@ -51,7 +57,7 @@ class FlatBatch:
 
 @dataclass
 class StepTokens:
-    """The tokens a plan computes, flattened in chunk order: shared by both layouts."""
+    """The tokens a plan computes, flattened in chunk order."""
 
     token_ids: list[int]
     q_lens: torch.Tensor  # [B]
@@ -102,13 +108,14 @@ def table_array(tables: list[list[int]]) -> np.ndarray:
     return table
 
 
-def build_flat_batch(
-    plan: StepPlan, tables: list[list[int]], block_size: int, prev_rows: dict[str, int] | None = None
-) -> FlatBatch:
-    """`tables[i]` is the block table of `plan.chunks[i]`; `prev_rows` maps a request id to its
-    row among the sampled tokens of the step still in flight, for its placeholder."""
-    chunks = plan.chunks
-    table = table_array(tables)
+def build_step_batch(
+    plan: StepPlan, block_manager: BlockManager, prev_rows: dict[str, int] | None = None
+) -> StepBatch:
+    """The plan's chunks as one batch; `prev_rows` maps a request id to its row among the
+    sampled tokens of the step still in flight, for its placeholder."""
+    chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.state.num_computed_tokens))
+    table = table_array([block_manager.table(c.state.request_id) for c in chunks])
+    block_size = block_manager.block_size
     step = step_tokens(chunks)
     rows, cu_q = step.rows.numpy(), step.cu_q.numpy()
     ids = np.array(step.token_ids, np.int64)
@@ -122,7 +129,7 @@ def build_flat_batch(
             raise RuntimeError("a placeholder token has no step in flight to take its value from")
         ids[waiting] = 0
     sampled_rows = np.flatnonzero(step.samples)
-    return FlatBatch(
+    return StepBatch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
         positions=step.positions,
@@ -132,7 +139,7 @@ def build_flat_batch(
         block_table=torch.from_numpy(table),
         logits_indices=torch.from_numpy(cu_q[1:][sampled_rows] - 1),
         sampled=[chunks[i].state for i in sampled_rows.tolist()],
-        chunks=list(chunks),
+        chunks=chunks,
     )
 
 

@@ -40,11 +40,11 @@ from .prompts import Prompt
 logger = logging.getLogger("contbatch.server")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """An accepted request, already in the engine."""
 
-    chat: bool
+    chat: bool  # chat completions, else (legacy) completions
     sub: Submission
     model: str
     prompts: list[Prompt]
@@ -66,8 +66,8 @@ class Job:
         return self.prompts[prompt_index].text if self.echo else ""
 
 
-class Generator:
-    """Turns engine outputs into OpenAI responses for one app."""
+class ResponseWriter:
+    """Turns engine outputs into OpenAI responses (one JSON body, or SSE chunks) for one app."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, draining: Callable[[], bool]) -> None:
         self.engine = engine

@@ -1,0 +1,177 @@
+"""The CPU backend: paged attention in plain PyTorch, planned once per step on the host.
+
+From the step's host copies, `prepare` derives two kinds of work that every layer then reuses:
+- decode rows (one query token each; they come first in the batch, shortest first) are split
+  into a few groups of similar key length, each attended in one batched matmul against keys
+  gathered from the paged cache, with grouped-query heads folded so K/V are never repeated;
+- prefill rows (prompt chunks) run through `scaled_dot_product_attention` one request at a
+  time, so each attends only to its own keys and the work is real matrix work. A first chunk
+  attends to the step's fresh K/V directly; a later one gathers its earlier keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.paged_cache import PagedAttentionCache
+from .metadata import StepMetadata, visible_keys
+
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP_ROWS = 8
+
+
+@dataclass
+class PrefillRow:
+    """A request computing several query tokens this step (a prompt chunk)."""
+
+    q_start: int  # first row of this request in the flattened query
+    q_len: int
+    kv_len: int  # keys it attends to: everything cached before plus this chunk
+    # Gather index (see PagedAttentionCache.gather_index) of all kv_len keys; None when the
+    # chunk is the whole sequence so far (a first chunk): its keys are the step's fresh K/V.
+    kv_index: torch.Tensor | None
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar length, attended in one batched matmul, padded only to the
+    group's own longest row: far less gathered padding than one group for the batch."""
+
+    row_start: int  # first decode row of the group (decode rows are the first of the batch)
+    num_rows: int
+    kv_len: int  # padded key length of the group
+    kv_lens: torch.Tensor  # [num_rows]: real key count of each row
+    kv_index: torch.Tensor  # gather index, [num_rows, H_kv, kv_len] flattened
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Additive mask `[rows, 1, 1, kv_len]`, per sliding window, built once per step."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(self.kv_len, device=self.kv_lens.device)[None, :]
+            visible = visible_keys(self.kv_lens[:, None] - 1, key_pos, sliding_window)
+            mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :]
+            self._masks[sliding_window] = mask
+        return mask
+
+
+@dataclass
+class TorchStep:
+    decode_groups: list[DecodeGroup]
+    prefill_rows: list[PrefillRow]
+
+
+def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
+    """Equal-count groups over the length-sorted decode rows: few enough that per-group
+    overhead stays small, enough that padding to each group's maximum stays modest."""
+    if num_decode == 0:
+        return []
+    groups = max(1, min(MAX_DECODE_GROUPS, num_decode // MIN_DECODE_GROUP_ROWS))
+    size = -(-num_decode // groups)
+    return [(lo, min(lo + size, num_decode)) for lo in range(0, num_decode, size)]
+
+
+def _softmax_scores(scores: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Scale (and soft-cap, Gemma-2 style) raw scores in float32, before the mask."""
+    scores = scores.float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+class TorchBackend:
+    name = "torch"
+    fast_decode = False
+    kv_keyed = False
+    varlen_tiles = None
+    max_varlen_tiles = None
+
+    def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> TorchStep:
+        """Decode groups and prefill rows from the step's host tensors (an unpadded step)."""
+        bs, device = cache.block_size, cache.device
+        cu_q = host["cu_seqlens_q"].long()
+        q_lens = cu_q[1:] - cu_q[:-1]
+        kv_lens = host["kv_lens"].long()
+        table = host["block_table"].long()
+        num_decode = int((q_lens == 1).sum())
+        groups = []
+        for lo, hi in _split_decode_rows(num_decode):
+            lens = kv_lens[lo:hi]
+            length = int(lens.max())
+            key_pos = torch.arange(length)
+            slots = table[lo:hi, key_pos // bs] * bs + key_pos % bs
+            slots = torch.where(key_pos[None, :] < lens[:, None], slots, cache.read_trash_slot)
+            groups.append(DecodeGroup(lo, hi - lo, length, lens.to(device), cache.gather_index(slots).to(device)))
+        rows = []
+        for i in range(num_decode, len(q_lens)):
+            q_len, kv_len = int(q_lens[i]), int(kv_lens[i])
+            kv_index = None
+            if kv_len > q_len:
+                key_pos = torch.arange(kv_len)
+                kv_index = cache.gather_index(table[i, key_pos // bs] * bs + key_pos % bs).to(device)
+            rows.append(PrefillRow(int(cu_q[i]), q_len, kv_len, kv_index))
+        return TorchStep(groups, rows)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
+               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """query: [1, H, T, D]; key/value: [1, H_kv, T, D] (already in the cache); -> [1, T, H, D]."""
+        step: TorchStep = meta.prepared
+        _, num_heads, total, head_dim = query.shape
+        out = query.new_empty(total, num_heads, head_dim)
+        for group in step.decode_groups:
+            rows = slice(group.row_start, group.row_start + group.num_rows)
+            out[rows] = _decode(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap)
+        for row in step.prefill_rows:
+            s, n = row.q_start, row.q_len
+            q = query[:, :, s : s + n]
+            if row.kv_index is None:
+                k, v = key[:, :, s : s + n], value[:, :, s : s + n]
+            else:
+                k, v = meta.cache.gather(layer, row.kv_index)
+                k, v = k.view(1, -1, row.kv_len, head_dim), v.view(1, -1, row.kv_len, head_dim)
+            if softcap is None and row.kv_index is None and sliding_window is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+            else:
+                q_pos = torch.arange(row.kv_len - n, row.kv_len, device=query.device)[:, None]
+                mask = visible_keys(q_pos, torch.arange(row.kv_len, device=query.device)[None, :], sliding_window)
+                if softcap is not None:
+                    o = _grouped_prefill(q, k, v, mask, scaling, softcap)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            out[s : s + n] = o[0].transpose(0, 1)
+        return out.unsqueeze(0)
+
+
+def _decode(query: torch.Tensor, group: DecodeGroup, cache: PagedAttentionCache, layer: int, scaling: float,
+            sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """query: [H, B, D] for the B rows of a decode group; returns [B, H, D]."""
+    num_heads, batch, head_dim = query.shape
+    kv_heads = cache.layout.num_kv_heads
+    keys, values = cache.gather(layer, group.kv_index)
+    keys = keys.view(batch, kv_heads, group.kv_len, head_dim)
+    values = values.view(batch, kv_heads, group.kv_len, head_dim)
+    # Fold the query heads that share a KV head into one matrix: K/V are never repeated.
+    q = query.transpose(0, 1).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    scores = _softmax_scores(torch.matmul(q, keys.transpose(-1, -2)), scaling, softcap)
+    scores = scores + group.mask(sliding_window)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
+
+
+def _grouped_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    """Attention in plain matmuls, for what SDPA cannot express (soft-capping).
+    q: [1, H, n, D]; k, v: [1, H_kv, L, D]; visible: [n, L]. Returns [1, H, n, D]."""
+    _, num_heads, n, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q[0].reshape(kv_heads, num_heads // kv_heads, n, head_dim)
+    scores = _softmax_scores(torch.matmul(qg, k[0].unsqueeze(1).transpose(-1, -2)), scaling, softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v[0].unsqueeze(1)).reshape(1, num_heads, n, head_dim)

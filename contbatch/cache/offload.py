@@ -1,0 +1,60 @@
+"""The CPU offload tier: where a KV-pressure victim's cache waits until it runs again.
+
+One place for all of it: the capacity accounting the scheduler asks (`fits`, `reserve`,
+`release`), the host copies the engine makes before the forward (`copy_out`, `copy_in`),
+and `drop` for a request that ends while offloaded. The accounting is in blocks and knows no
+tensors, so the scheduler can use it; only the copies touch the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_cache import PagedAttentionCache
+
+
+class HostKVTier:
+    def __init__(self, cache: PagedAttentionCache | None, capacity_blocks: int) -> None:
+        self.cache = cache
+        self.capacity_blocks = capacity_blocks
+        self.reserved: dict[str, int] = {}  # request id -> host blocks promised to it
+        self.used_blocks = 0
+        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # keys, values, tokens
+
+    # -- accounting (scheduler) ----------------------------------------------------------
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.reserved
+
+    def fits(self, num_blocks: int) -> bool:
+        return self.used_blocks + num_blocks <= self.capacity_blocks
+
+    def reserve(self, request_id: str, num_blocks: int) -> None:
+        self.reserved[request_id] = num_blocks
+        self.used_blocks += num_blocks
+
+    def release(self, request_id: str) -> None:
+        """The request is being restored: its host space is free for the next victim."""
+        self.used_blocks -= self.reserved.pop(request_id, 0)
+
+    # -- copies (engine, before the forward) ----------------------------------------------
+    def copy_out(self, request_id: str, blocks: list[int], num_tokens: int) -> None:
+        keys, values = self.cache.copy_out(blocks, num_tokens)
+        self._copies[request_id] = (keys, values, num_tokens)
+
+    def copy_in(self, request_id: str, blocks: list[int]) -> None:
+        keys, values, num_tokens = self._copies.pop(request_id)
+        self.cache.copy_in(blocks, num_tokens, keys, values)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request that ended (finished, cancelled, failed) wherever it was."""
+        self.release(request_id)
+        self._copies.pop(request_id, None)
+
+    def clear(self) -> None:
+        self.reserved.clear()
+        self._copies.clear()
+        self.used_blocks = 0
+
+    @property
+    def num_copies(self) -> int:
+        return len(self._copies)

@@ -1,0 +1,241 @@
+"""The engine core: one step at a time, on the engine thread.
+
+A step is: plan (scheduler), move offloaded KV (host tier), build the batch, launch it on the
+runner, apply the previous step's tokens, sample, and apply this step's tokens. With async
+batching the last apply waits for the next step: step N+1 is planned and launched before
+step N's tokens are read; they reach N+1's inputs on the device (carry-over), and the host
+applies them while N+1 computes. Without it, every step is applied at once.
+
+Every request ends through `retire` (finished, cancelled, failed): its KV blocks are freed,
+it leaves the host tier, and its final output is published. The manager owns the thread,
+the inbox and the results; the core owns the scheduler, the cache, the host tier and the
+runner, and is the only code that changes request state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..attention.kernels import load_backend
+from ..cache.offload import HostKVTier
+from ..cache.paged_cache import KVLayout, PagedAttentionCache
+from ..config import ResolvedConfig
+from ..requests import RequestState, RequestStatus
+from ..scheduling.scheduler import SCHEDULER_MAPPING, StepPlan
+from .buckets import Bucketing
+from .graphs import GraphCache, capture_cuda_graph
+from .step_batch import build_step_batch
+from .step_runner import InFlight, StepRunner
+
+logger = logging.getLogger("contbatch")
+
+_NEG_INF = float("-inf")
+
+
+class EngineCore:
+    def __init__(self, model: torch.nn.Module, resolved: ResolvedConfig, layout: KVLayout,
+                 publish: Callable[[RequestState], None]) -> None:
+        r = resolved
+        self.publish = publish  # hands a request's new output (or its end) to the manager
+        self.cache = PagedAttentionCache(layout, r.num_blocks, r.block_size, r.device, r.prefix_sharing,
+                                         r.prefix_cache_eviction, token_major=r.kv_layout == "token-major")
+        self.host = HostKVTier(self.cache, r.cpu_offload_blocks)
+        self.scheduler = SCHEDULER_MAPPING[r.scheduler_type](
+            self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin, self.host,
+            r.hold_shared_prefixes,
+        )
+        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size)
+        bucketing = Bucketing(
+            r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
+            backend.max_varlen_tiles, backend.kv_keyed, fast_decode=backend.fast_decode,
+            graph_max_tokens=r.cuda_graph_max_tokens,
+        )
+        graphs = None
+        if r.use_cuda_graph:
+            graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
+        self.runner = StepRunner(model, self.cache, backend, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
+                                 num_slots=2 if r.use_async_batching else 1, graphs=graphs)
+        self.async_batching = r.use_async_batching
+        self.inflight: InFlight | None = None  # async: the step whose tokens are not applied yet
+        self.steps = 0
+        self.decode_only_steps = 0  # steps taken by the decode kernel, and their rows
+        self.decode_only_rows = 0
+        self.forward_seconds = 0.0
+        self.step_seconds = 0.0
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        prev, step = self.inflight, None
+        plan = self.scheduler.schedule()
+        with self.runner.streams.on("compute"):  # after any in-flight step's writes, in stream order
+            self._move_kv(plan)
+        if plan.chunks:
+            try:
+                rows = {s.request_id: i for i, s in enumerate(prev.batch.sampled)} if prev else None
+                step = self.runner.launch(build_step_batch(plan, self.cache.block_manager, rows), prev)
+            except Exception as exc:
+                self._fail_step([c.state for c in plan.chunks], exc)
+            else:
+                for chunk, computed in zip(step.batch.chunks, step.computed):
+                    chunk.state.num_computed_tokens = computed  # the one place it advances
+                step.token_index = [s.reserve_token() for s in step.batch.sampled]
+        self.inflight = None
+        if prev is not None:
+            self._apply(prev)
+        if step is not None:
+            try:
+                self.runner.sample(step)
+            except Exception as exc:
+                self._fail_step([c.state for c in step.batch.chunks], exc)
+                step = None
+        if step is not None:
+            if self.async_batching:
+                self.inflight = step
+            else:
+                self._apply(step)
+        self.steps += 1 if plan.chunks else 0
+        self.step_seconds += time.perf_counter() - t0
+
+    def _move_kv(self, plan: StepPlan) -> None:
+        # Offloaded blocks may already be promised to others: copy out before anything else.
+        for off in plan.offloaded:
+            self.host.copy_out(off.state.request_id, off.blocks, off.num_tokens)
+        for state in plan.restored:
+            self.host.copy_in(state.request_id, self.cache.block_manager.table(state.request_id))
+
+    def _apply(self, step: InFlight) -> None:
+        """Read a step's tokens and apply them: requests that ended meanwhile (a stop token
+        seen in the step before, a cancel) are skipped; their rows were computed for nothing."""
+        try:
+            t1 = time.perf_counter()
+            result = self.runner.wait(step)
+            tokens = result.tokens.tolist()
+            self.forward_seconds += time.perf_counter() - t1
+        except Exception as exc:
+            self._fail_step([c.state for c in step.batch.chunks], exc)
+            return
+        if step.shape.decode_only:
+            self.decode_only_steps += 1
+            self.decode_only_rows += step.batch.num_requests
+        for chunk, computed in zip(step.batch.chunks, step.computed):
+            state = chunk.state
+            if not state.status.is_done:  # never past what is launched: a reset may have shrunk it
+                self._cache_full_blocks(state, min(computed, state.num_computed_tokens))
+        live = [not s.status.is_done for s in step.batch.sampled]
+        if result.logprobs is not None:
+            _record_logprobs(step.batch.sampled, result, live)
+        ok = result.ok.tolist() if result.ok is not None else live
+        for state, index, token, alive, good in zip(step.batch.sampled, step.token_index, tokens, live, ok):
+            if not alive:
+                continue
+            if not good:  # a numerical fault must not pass as a token: it fails this request alone
+                self.retire(state, RequestStatus.FAILED, "the model produced non-finite logits (NaN or inf) for "
+                                                         "this request; check its sampling parameters, the model's "
+                                                         "dtype and its weights")
+                continue
+            state.set_token(index, token)
+            self._after_token(state)
+
+    def _cache_full_blocks(self, state: RequestState, upto: int) -> None:
+        """Publish the request's blocks completed within `upto` tokens to the prefix cache;
+        most steps complete no block, and then there is nothing to hash."""
+        bs = self.cache.block_size
+        if upto // bs != state.committed_tokens // bs:
+            self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
+        state.committed_tokens = upto
+
+    def _after_token(self, state: RequestState) -> None:
+        """Stop strings, then retire or stream the request."""
+        detok = state.detokenizer
+        if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
+            try:
+                state.delta_text += detok.update(state.known_tokens)
+            except Exception as exc:  # the tokenizer failed on this request's text: it alone ends
+                logger.exception("detokenizing %s failed", state.request_id)
+                self.retire(state, RequestStatus.FAILED, f"detokenizing the output failed: {exc!r}")
+                return
+            if detok.stopped:
+                state.finish(RequestStatus.FINISHED, "stop")
+        if state.status.is_done:
+            self.retire(state)
+        else:
+            self.publish(state)
+
+    # -- the one way out -------------------------------------------------------------------
+    def retire(self, state: RequestState, status: RequestStatus | None = None, reason: str | None = None) -> None:
+        """End a request wherever it is (queue, running set, host tier) and publish its final
+        output. `status` None: it has finished by itself (its state says so already)."""
+        if status is not None and not state.status.is_done:
+            kind = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}[status]
+            state.finish(status, kind, reason if status == RequestStatus.FAILED else None)
+        self.scheduler.remove(state.request_id)
+        self.publish(state)
+
+    def cancel(self, request_id: str) -> None:
+        state = self.scheduler.find(request_id)
+        if state is not None:  # else already finished, or unknown: nothing to do
+            self.retire(state, RequestStatus.CANCELLED)
+
+    def _fail_step(self, states: list[RequestState], exc: Exception) -> None:
+        logger.exception("step failed; failing its %d requests", len(states))
+        for state in states:
+            if not state.status.is_done:
+                self.retire(state, RequestStatus.FAILED, f"step failed: {exc!r}")
+
+    def fail_all(self, reason: str, extra: list[RequestState] = ()) -> None:
+        """Fail every request the core holds, and `extra` (not yet handed to it)."""
+        self.inflight = None  # its requests are among those failed here
+        for state in [*extra, *self.scheduler.waiting, *self.scheduler.running.values()]:
+            self.retire(state, RequestStatus.FAILED, reason)
+        self.host.clear()
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        sched, bm, graphs = self.scheduler, self.cache.block_manager, self.runner.graphs
+        queries, hits = bm.prefix_queries, bm.prefix_hits
+        return {
+            "steps": self.steps,
+            "soft_resets": sched.soft_resets,
+            "held_for_prefix": sched.held_for_prefix,
+            "offloads": sched.offloads,
+            "restores": sched.restores,
+            "offloaded_blocks": self.host.used_blocks,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "cached_blocks": bm.num_cached_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "step_seconds": self.step_seconds,
+            "forward_seconds": self.forward_seconds,
+            "decode_only_steps": self.decode_only_steps,
+            "decode_only_rows": self.decode_only_rows,
+            "gpu_busy_seconds": self.runner.busy_seconds,
+            "gpu_decode_seconds": self.runner.decode_seconds,
+            "graph_captures": graphs.captures if graphs else 0,
+            "graph_replays": graphs.replays if graphs else 0,
+        }
+
+
+def _record_logprobs(states: list[RequestState], result, live: list[bool]) -> None:
+    chosen = result.logprobs.tolist()
+    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    for i, state in enumerate(states):
+        if not live[i]:
+            continue
+        if state.logprobs is not None:
+            state.logprobs.append(chosen[i])
+        if state.top_logprobs is not None:
+            k = state.params.top_logprobs
+            # A token masked out (top-k/p, min-p) has logprob -inf: it was never a candidate.
+            state.top_logprobs.append({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != _NEG_INF})
