@@ -1,303 +1,614 @@
 """Offline throughput: contbatch vs transformers' continuous batching vs padded `generate`, on CPU.
 
-One run measures every system at each dtype on the same seeded workload (random prompts of
-varied length, a fixed number of new tokens, EOS ignored), plus the dense matmul rate of the
-machine at that dtype, so the numbers can be read against a compute ceiling measured in the
-same conditions. Wall times include each system's start-up (cache allocation, thread start),
-because that is what a user of `generate_batch` pays. Every timed system runs in a worker
-thread, as the engines' own step loops do (see `in_worker`).
+Every request is there at the start. For each dtype and each workload (fixed or mixed
+lengths x prompts cut from one text or built with the chat template) the run:
+
+1. computes the float32 reference once: greedy `model.generate` on each prompt alone;
+2. sweeps each system's own knobs the way its best user would (`--sweep`), one timed run per
+   candidate after one untimed warm-up per system, and keeps the fastest token-exact one:
+   contbatch `max_batch_tokens` / `block_size`; transformers' `generate_batch`
+   (`ContinuousBatchingConfig`) `max_batch_tokens` / `page_size`; padded `generate` batch size
+   and length sorting;
+3. runs each system's default and best configuration, one untimed warm-up each, then
+   `--repeats` interleaved rounds (the first system rotated each round), and reports the median
+   tok/s with [min, max], the ratio to each peer's best (ratio of medians, range from the
+   min/max pairs), each system's fraction of the matmul floor, and the token check.
+
+Plus, at each dtype: the hardware ceilings measured in the same run (dense matmul GFLOP/s,
+weight-read GB/s) and a single-stream row (one request, 256 new tokens: contbatch against
+plain `model.generate` at batch 1) against the weight-read floor.
+
+Wall times include each system's start-up (cache allocation, thread start), because that is
+what a user pays. Shared machinery (load sampling, noisy rule, interleaving, statistics,
+tables) is in `harness.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import json
-import os
-import platform
-import threading
+import math
+import random
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from math import ceil
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import GenerationConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import contbatch
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 
-SYSTEMS = ("contbatch", "contbatch-8192", "tf-cb", "padded16", "padded64", "padded16-sorted")
-PEER = "tf-cb"
-TF_PAGE_SIZE = 256  # transformers' default page size, stated so num_blocks below is sized for it
+import contbatch  # noqa: E402
+import harness as H  # noqa: E402
+
+FAMILIES = ("contbatch", "tf-cb", "padded")
+PEERS = ("tf-cb", "padded")
+FAMILY_TITLE = {"contbatch": "contbatch", "tf-cb": "transformers generate_batch", "padded": "padded generate"}
+ATTENTION = {
+    "contbatch": "torch backend: SDPA per request for prefill chunks, batched matmuls over gathered keys for decode rows",
+    "tf-cb": "sdpa: a dense [batch tokens x (cache tokens + batch tokens)] mask built every step, attention over the "
+             "whole batch's keys",
+    "padded": "sdpa over the padded batch, [B, 1, q, k] mask",
+}
+TF_DEFAULT_PAGE = 256  # transformers' default page_size
+
+
+# --------------------------------------------------------------------------------------------- workloads
 
 
 @dataclass
 class Workload:
+    kind: str  # "fixed" or "mixed"
+    source: str  # "text" or "chat"
     prompts: list[list[int]]
-    new_tokens: int
+    max_new: list[int]
+    reference: list[list[int]] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.source}"
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+        return sum(map(len, self.prompts))
 
     @property
     def generated_tokens(self) -> int:
-        return len(self.prompts) * self.new_tokens
+        return sum(self.max_new)
+
+    def describe(self) -> str:
+        lens = [len(p) for p in self.prompts]
+        new = (f"{self.max_new[0]} new tokens each" if self.kind == "fixed" else
+               f"max_new_tokens log-uniform {min(self.max_new)}..{max(self.max_new)} (mean {self.generated_tokens / len(self.max_new):.0f})")
+        src = ("cut from one text (Python's pydoc topics)" if self.source == "text"
+               else "built with the chat template around text cut from the same source")
+        return (f"{len(self.prompts)} prompts {src}, {min(lens)}..{max(lens)} tokens ({self.prompt_tokens} in all), "
+                f"{new}, EOS ignored; {self.generated_tokens} output tokens")
 
 
-@dataclass
-class Row:
-    """One system at one dtype. Ratios are filled in once every system has run."""
+def source_text() -> str:
+    """One long, fixed English text that ships with Python: the pydoc topics (~465k characters)."""
+    import pydoc_data.topics as topics
 
-    system: str
-    wall_s: float
-    output_tokens: int
-    tok_s: float
-    vs_peer: float | None = None
-    vs_best_padded: float | None = None
-    outside_forward: float | None = None  # share of engine step time spent outside the model forward
-    note: str = ""
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
-def make_prompts(tok, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """Random ids, never special/added tokens: those could trigger template or stop behaviour."""
-    g = torch.Generator().manual_seed(seed)
-    banned = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}))
-    allowed = torch.tensor([i for i in range(len(tok)) if i not in banned])
-    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [allowed[torch.randint(len(allowed), (n_tok,), generator=g)].tolist() for n_tok in lengths]
+def cut_pieces(ids: list[int], n: int, lo: int, hi: int, rng: random.Random) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - length)
+        out.append(ids[start:start + length])
+    return out
 
 
-def machine_info() -> dict:
-    """Load average matters: every multithreaded matmul waits for its slowest thread."""
-    cpu = platform.processor()
-    if not cpu and Path("/proc/cpuinfo").exists():
-        names = [l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in l]
-        cpu = names[0] if names else ""
-    return {"cpu": cpu or "unknown", "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
-            "transformers": transformers.__version__}
+def make_prompts(tok, source: str, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(f"{source}-{seed}")
+    ids = tok(source_text())["input_ids"]
+    if source == "text":
+        return cut_pieces(ids, n, lo, hi, rng)
+    out = []
+    for piece in cut_pieces(ids, n, lo, hi, rng):
+        msg = [{"role": "user", "content": tok.decode(piece) + "\n\nSummarize the text above."}]
+        enc = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True)
+        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    return out
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """GFLOP/s of an [m x k] @ [k x n] matmul: the shapes of one decode step / one prefill chunk."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    iters, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        iters += 1
-    return 2 * m * k * n * iters / elapsed / 1e9
+def make_new_tokens(kind: str, n: int, fixed: int, lo: int, hi: int, seed: int) -> list[int]:
+    if kind == "fixed":
+        return [fixed] * n
+    rng = random.Random(f"mixed-{seed}")
+    return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(n)]
 
 
-def in_worker(fn):
-    """Run fn in a fresh thread, as both continuous-batching engines run their model steps.
-    With the main thread's OpenMP team alive, a second team means more OpenMP threads than CPUs, so
-    libgomp throttles its spin-wait; the main team spins in full. Under competing load that alone
-    made one forward ~5x slower on the main thread (OMP_WAIT_POLICY=PASSIVE removed the gap), so
-    every timed system runs in a worker, under the same policy."""
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="bench-worker")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+# --------------------------------------------------------------------------------------------- systems
 
 
-def _cleanup(model, attn: str) -> None:
-    """Every system starts from the same model state, whatever the previous one left behind."""
-    if model.config._attn_implementation != attn:
-        model.set_attn_implementation(attn)
-    gc.collect()
+@dataclass(frozen=True)
+class Config:
+    family: str
+    params: tuple  # sorted (knob, value) pairs; () = the family's default
+
+    @property
+    def label(self) -> str:
+        if not self.params:
+            return f"{self.family} (default)"
+        return f"{self.family} " + " ".join(f"{k}={v}" for k, v in self.params)
+
+    def get(self, key, default=None):
+        return dict(self.params).get(key, default)
+
+    def with_(self, **kw) -> "Config":
+        d = dict(self.params)
+        d.update(kw)
+        return Config(self.family, tuple(sorted(d.items())))
 
 
-def run_contbatch(model, wl: Workload, name: str, max_batch_tokens: int | None) -> tuple[Row, list[list[int]]]:
-    """Through the manager (what generate_batch does), so step/forward stats can be read before exit."""
-    gc_ = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=None)
-    cfg = contbatch.ContinuousBatchingConfig(  # the workload hints generate_batch would fill in
-        max_batch_tokens=max_batch_tokens, max_prompt_length=max(len(p) for p in wl.prompts),
-        max_generated_length=wl.new_tokens, max_requests_per_batch=len(wl.prompts))
+def run_contbatch(model, wl: Workload, cfg: Config) -> H.Sample:
+    """Through the manager (what `contbatch.generate_batch` does), so step/forward stats can be read."""
+    gen = GenerationConfig(max_new_tokens=max(wl.max_new), do_sample=False, eos_token_id=None)
+    sps = [contbatch.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wl.max_new]
+    kw = dict(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.max_new),
+              max_requests_per_batch=len(wl.prompts))  # the workload hints generate_batch fills in
+    if cfg.get("mbt"):
+        kw["max_batch_tokens"] = cfg.get("mbt")
+    if cfg.get("block"):
+        kw["block_size"] = cfg.get("block")
     ids = [f"req_{i}" for i in range(len(wl.prompts))]
     start = time.perf_counter()
-    with contbatch.continuous_batching(model, gc_, cfg) as manager:
-        manager.add_requests(wl.prompts, request_ids=ids)
+    with contbatch.continuous_batching(model, gen, contbatch.ContinuousBatchingConfig(**kw)) as manager:
+        manager.add_requests(wl.prompts, request_ids=ids, sampling_params=sps)
         outs = [manager.get_result(rid, timeout=None) for rid in ids]
         stats, rc = manager.stats(), manager.resolved_config
     wall = time.perf_counter() - start
     tokens = [list(o.generated_tokens) for o in outs]
-    n_out = sum(map(len, tokens))
-    outside = 1 - stats["forward_seconds"] / stats["step_seconds"] if stats["step_seconds"] else None
-    note = f"steps={stats['steps']} mbt={rc.max_batch_tokens} blocks={rc.num_blocks}x{rc.block_size} attn={rc.attention_backend}"
-    return Row(name, wall, n_out, n_out / wall, outside_forward=outside, note=note), tokens
+    return H.Sample(wall, sum(map(len, tokens)), tokens, {
+        "steps": stats["steps"], "step_seconds": stats["step_seconds"],
+        "resolved": f"mbt={rc.max_batch_tokens} blocks={rc.num_blocks}x{rc.block_size} attn={rc.attention_backend}"})
 
 
-def run_transformers_cb(model, wl: Workload) -> tuple[Row, list[list[int]]]:
-    """The peer. num_blocks is explicit: left unset, it zero-fills a cache sized from most of free RAM.
-    eos_token_id=-1 is how transformers' CB spells 'never stop on EOS' (None means the model's)."""
-    per_req = ceil((max(len(p) for p in wl.prompts) + wl.new_tokens) / TF_PAGE_SIZE)
-    cfg = transformers.ContinuousBatchingConfig(page_size=TF_PAGE_SIZE, num_blocks=len(wl.prompts) * per_req + 2,
-                                                max_batch_tokens=2048, max_requests_per_batch=len(wl.prompts))
-    gc_ = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
+def run_tf_cb(model, wl: Workload, cfg: Config) -> H.Sample:
+    """The peer: transformers' continuous batching, through the context manager `generate_batch`
+    uses, so each request gets its own max_new_tokens. num_blocks is sized for the workload (left
+    unset on the CPU, it zero-fills a cache sized from most of free RAM). eos_token_id=-1 is how
+    it spells 'never stop on EOS'."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    page = cfg.get("page", TF_DEFAULT_PAGE)
+    blocks = sum(ceil((len(p) + n + 1) / page) for p, n in zip(wl.prompts, wl.max_new)) + 2
+    cb = transformers.ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=cfg.get("mbt"),
+                                               max_requests_per_batch=len(wl.prompts))
+    gen = GenerationConfig(max_new_tokens=max(wl.max_new), do_sample=False, eos_token_id=-1)
+    hints = WorkloadHints(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.max_new),
+                          num_requests=len(wl.prompts))
+    ids = [f"req_{i}" for i in range(len(wl.prompts))]
+    results: dict = {}
+    resolved = ""
     start = time.perf_counter()
-    outs = model.generate_batch(inputs=wl.prompts, generation_config=gc_, continuous_batching_config=cfg,
-                                progress_bar=False)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True,
+                                                   timeout=5, workload_hints=hints) as manager:
+        for rid, p, n in zip(ids, wl.prompts, wl.max_new):
+            manager.add_request(input_ids=p, request_id=rid, max_new_tokens=n, eos_token_id=-1)
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None:
+                if out.is_finished():
+                    results[out.request_id] = out
+            elif not manager.is_running():
+                break
+        cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+        if cache is not None:
+            resolved = f"mbt={getattr(cache, 'max_batch_tokens', '?')} blocks={blocks}x{page}"
     wall = time.perf_counter() - start
-    tokens = [list(o.generated_tokens) for o in outs.values()]  # returned in input order
-    n_out = sum(map(len, tokens))
-    note = f"mbt=2048 blocks={cfg.num_blocks}x{TF_PAGE_SIZE} attn=sdpa" + ("" if len(tokens) == len(wl.prompts) else " MISSING")
-    return Row(PEER, wall, n_out, n_out / wall, note=note), tokens
+    tokens = [list(results[r].generated_tokens) if r in results else [] for r in ids]
+    extra = {"resolved": resolved or f"blocks={blocks}x{page}"}
+    if len(results) < len(ids):
+        extra["missing"] = len(ids) - len(results)
+    return H.Sample(wall, sum(map(len, tokens)), tokens, extra)
+
+
+def padded_order(wl: Workload, sort: str) -> list[int]:
+    idx = list(range(len(wl.prompts)))
+    if sort == "prompt":
+        return sorted(idx, key=lambda i: len(wl.prompts[i]))
+    if sort == "new":  # requested length first, prompt length second: the least wasted decode steps
+        return sorted(idx, key=lambda i: (wl.max_new[i], len(wl.prompts[i])))
+    return idx
 
 
 @torch.inference_mode()
-def run_padded(model, tok, wl: Workload, name: str, batch_size: int, sort: bool) -> tuple[Row, list[list[int]]]:
-    """Static batching with left padding. Sorting by length is its best case (least padding).
-    eos_token_id=-1 rather than min_new_tokens: the latter masks the EOS logit and changes greedy tokens."""
-    order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i])) if sort else list(range(len(wl.prompts)))
-    gc_ = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=tok.pad_token_id)
+def run_padded(model, tok, wl: Workload, cfg: Config) -> H.Sample:
+    """Static batching with left padding: each batch runs to its longest request; only the
+    requested tokens of each request count. eos_token_id=-1 rather than min_new_tokens: the
+    latter masks the EOS logit and changes greedy tokens."""
+    batch_size = cfg.get("batch") or len(wl.prompts)
+    order = padded_order(wl, cfg.get("sort", "none"))
     tok.padding_side = "left"
     tokens: list[list[int] | None] = [None] * len(wl.prompts)
-    padded = 0
+    positions = decode_slots = 0
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
+        steps = max(wl.max_new[i] for i in idx)
+        gen = GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=-1, pad_token_id=tok.pad_token_id)
         batch = tok.pad({"input_ids": [wl.prompts[i] for i in idx]}, return_tensors="pt", padding=True)
-        out = model.generate(**batch, generation_config=gc_)
+        out = model.generate(**batch, generation_config=gen)
         width = batch["input_ids"].shape[1]
-        padded += width * len(idx)
+        positions += width * len(idx)
+        decode_slots += steps * len(idx)
         for row, i in enumerate(idx):
-            tokens[i] = out[row, width:].tolist()
+            tokens[i] = out[row, width:width + wl.max_new[i]].tolist()
     wall = time.perf_counter() - start
-    n_out = sum(map(len, tokens))
-    note = f"padding {1 - wl.prompt_tokens / padded:.0%} of prompt positions"
-    return Row(name, wall, n_out, n_out / wall, note=note), tokens
+    return H.Sample(wall, sum(map(len, tokens)), tokens, {
+        "padding": 1 - wl.prompt_tokens / positions, "wasted_decode": 1 - wl.generated_tokens / decode_slots})
 
 
-def warm_up(model, tok) -> None:
-    """First calls pay one-off kernel/allocator set-up; keep that out of the first timed system."""
-    with torch.inference_mode():
-        batch = tok.pad({"input_ids": [[100] * 8, [200] * 16]}, return_tensors="pt", padding=True)
-        model.generate(**batch, generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1,
-                                                                    pad_token_id=tok.pad_token_id))
+def runner(model, tok, wl: Workload, cfg: Config) -> Callable[[], H.Sample]:
+    if cfg.family == "contbatch":
+        return lambda: run_contbatch(model, wl, cfg)
+    if cfg.family == "tf-cb":
+        return lambda: run_tf_cb(model, wl, cfg)
+    return lambda: run_padded(model, tok, wl, cfg)
 
 
-def bench_dtype(dtype_name: str, args, systems: list[str]) -> dict:
+# --------------------------------------------------------------------------------------------- sweep
+
+
+def sweep_stages(family: str, wl: Workload, mode: str) -> list[list[dict]]:
+    """Coordinate sweep: each stage is a list of knob settings tried on top of the best found so
+    far. Values equal to the default are left out so the default is not run twice."""
+    n = len(wl.prompts)
+    if mode == "none":
+        return []
+    if family == "contbatch":
+        if mode == "quick":
+            return [[{"mbt": 1024}]]
+        return [[{"mbt": v} for v in (1024, 4096, 8192)], [{"block": 64}]]
+    if family == "tf-cb":
+        if mode == "quick":
+            return [[{"mbt": 512}]]
+        return [[{"mbt": v} for v in (256, 512, 1024, 2048)], [{"page": v} for v in (64, 16)]]
+    # padded: sorting only matters with more than one batch, so batch size and sort key are a grid
+    sorts = ["prompt", "new"] if wl.kind == "mixed" else ["prompt"]
+    if mode == "quick":
+        return [[{"batch": max(1, n // 2), "sort": sorts[-1]}]]
+    return [[{"batch": b, "sort": s} for b in (4, 8, 16, 32) if b < n for s in sorts]]
+
+
+def run_sweep(model, tok, wl: Workload, family: str, mode: str, between, warmup: bool, log) -> tuple[Config, list[dict]]:
+    """One untimed warm-up (the default config), then one timed run per candidate; the fastest
+    token-exact candidate wins (at bf16 there is no reference: the fastest)."""
+    default = Config(family, ())
+    stages = sweep_stages(family, wl, mode)
+    if not stages:
+        return default, []
+    tried: dict[Config, dict] = {}
+
+    def measure(cfg: Config) -> dict:
+        if cfg not in tried:
+            s = H.in_worker(runner(model, tok, wl, cfg))
+            between()
+            check = H.check_tokens(s.tokens, wl.reference)
+            ok = (not check.get("checked") or check["mismatch"] == 0) and s.output_tokens == wl.generated_tokens
+            tried[cfg] = {"config": cfg.label, "tok_s": s.tok_s, "wall_s": s.wall_s, "check": H.check_label(check),
+                          "ok": ok, **{k: v for k, v in s.extra.items() if k != "resolved"}}
+            log(f"   sweep    {cfg.label:<28} {s.wall_s:8.2f} s  {s.tok_s:8.1f} tok/s  {H.check_label(check)}")
+        return tried[cfg]
+
+    if warmup:
+        s = H.in_worker(runner(model, tok, wl, default))
+        between()
+        log(f"   sweep warm-up {default.label:<23} {s.wall_s:8.2f} s")
+    best = default
+    measure(default)
+    for stage in stages:
+        for setting in stage:
+            measure(best.with_(**setting))
+        ok = {c: r for c, r in tried.items() if r["ok"]}
+        if ok:
+            best = max(ok, key=lambda c: ok[c]["tok_s"])
+    return best, list(tried.values())
+
+
+# --------------------------------------------------------------------------------------------- one scenario
+
+
+@dataclass
+class RowResult:
+    config: Config
+    role: str  # "default", "best", "default = best"
+    samples: list[H.Sample] = field(default_factory=list)
+
+    @property
+    def spread(self) -> H.Spread:
+        return H.Spread.of([s.tok_s for s in self.samples])
+
+    @property
+    def wall(self) -> H.Spread:
+        return H.Spread.of([s.wall_s for s in self.samples])
+
+
+def posted(row: RowResult, wl: Workload) -> tuple[bool, str]:
+    """A row's speed is posted only if every run produced the requested tokens and, at float32,
+    the reference's tokens."""
+    check = H.worst_check([H.check_tokens(s.tokens, wl.reference) for s in row.samples])
+    counts_ok = all(s.output_tokens == wl.generated_tokens for s in row.samples)
+    label = H.check_label(check)
+    if not counts_ok:
+        label += f"; COUNT {min(s.output_tokens for s in row.samples)}/{wl.generated_tokens}"
+    return (counts_ok and (not check.get("checked") or check["mismatch"] == 0)), label
+
+
+def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], floor_tok_s: float, between, log) -> dict:
+    systems: dict[str, Callable[[], H.Sample]] = {}
+    rows: dict[str, RowResult] = {}
+    for fam in args.families:
+        cfgs = [(Config(fam, ()), "default")]
+        if best.get(fam) and best[fam] != cfgs[0][0]:
+            cfgs.append((best[fam], "best"))
+        elif best.get(fam):
+            cfgs = [(cfgs[0][0], "default = best")]
+        for cfg, role in cfgs:
+            rows[cfg.label] = RowResult(cfg, role)
+            systems[cfg.label] = runner(model, tok, wl, cfg)
+    samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
+    for name, ss in samples.items():
+        rows[name].samples = ss
+    status = {name: posted(r, wl) for name, r in rows.items()}
+    peer_best: dict[str, RowResult | None] = {}
+    for fam in FAMILIES:
+        ok = [r for n, r in rows.items() if r.config.family == fam and status[n][0]]
+        peer_best[fam] = max(ok, key=lambda r: r.spread.median) if ok else None
+    out_rows = []
+    for name, r in rows.items():
+        ok, label = status[name]
+        notes = []
+        extras = r.samples[-1].extra
+        if "resolved" in extras:
+            notes.append(extras["resolved"])
+        if r.config.family == "contbatch":
+            notes.append(f"{extras['steps']} steps")
+        if r.config.family == "padded":
+            notes.append(f"padding {extras['padding']:.0%} of prompt positions, {extras['wasted_decode']:.0%} of decode "
+                         f"slots wasted")
+        vs = {}
+        for peer in PEERS:
+            pb = peer_best.get(peer)
+            vs[peer] = H.ratio(r.spread, pb.spread) if ok and pb is not None else None
+        out_rows.append({
+            "system": name, "family": r.config.family, "role": r.role, "params": dict(r.config.params),
+            "attention": ATTENTION[r.config.family], "posted": ok, "check": label,
+            "tok_s": r.spread.as_dict(), "wall_s": r.wall.as_dict(),
+            "tok_s_runs": [s.tok_s for s in r.samples],
+            "floor_fraction": r.spread.median / floor_tok_s if floor_tok_s else None,
+            "vs": {p: (v.as_dict() if v else None) for p, v in vs.items()}, "notes": "; ".join(notes),
+            "_vs": vs, "_spread": r.spread,
+        })
+    return {"rows": out_rows, "peer_best": {f: (r.config.label if r else None) for f, r in peer_best.items()}}
+
+
+def scenario_table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        speed = r["_spread"].fmt() if r["posted"] else f"not posted ({r['_spread'].median:.1f})"
+        body.append([r["system"], r["role"], speed, r["check"],
+                     f"{r['floor_fraction']:.0%}" if r["posted"] and r["floor_fraction"] else "-",
+                     H.fmt_ratio(r["_vs"]["tf-cb"]), H.fmt_ratio(r["_vs"]["padded"]), r["notes"]])
+    return H.md_table(["system", "config", "output tok/s median [min, max]", "tokens vs reference", "of matmul floor",
+                       "vs tf generate_batch best", "vs padded best", "notes"], body,
+                      [False, False, True, False, True, True, True, False])
+
+
+def sweep_table(sweeps: dict[str, list[dict]]) -> str:
+    body = [[r["config"], f"{r['tok_s']:.1f}", r["check"], "yes" if r["ok"] else "no"]
+            for fam in sweeps for r in sweeps[fam]]
+    return H.md_table(["candidate", "tok/s (1 run)", "tokens", "eligible"], body, [False, True, False, False])
+
+
+# --------------------------------------------------------------------------------------------- single stream
+
+
+def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: bool, between, log) -> dict:
+    wl = Workload("fixed", "text", [prompt], [args.single_new_tokens])
+    if is_fp32:
+        wl.reference = H.reference_tokens(model, wl.prompts, wl.max_new, tok.pad_token_id, log=log)
+    systems = {"contbatch (default), 1 request": runner(model, tok, wl, Config("contbatch", ())),
+               "model.generate, batch 1": runner(model, tok, wl, Config("padded", (("batch", 1),)))}
+    samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
+    floor_wr = ceilings["weight_read_gb_s"] * 1e9 / ceilings["weight_bytes"]
+    floor_mm = wl.generated_tokens / (2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
+                                      / (ceilings["matmul_gflops"] * 1e9))
+    rows = []
+    spreads = {n: H.Spread.of([s.tok_s for s in ss]) for n, ss in samples.items()}
+    base = spreads["model.generate, batch 1"]
+    for name, ss in samples.items():
+        row = RowResult(Config("x", ()), "", ss)
+        ok, label = posted(row, wl)
+        sp = spreads[name]
+        rows.append({"system": name, "posted": ok, "check": label, "tok_s": sp.as_dict(), "_spread": sp,
+                     "weight_read_floor_fraction": sp.median / floor_wr, "matmul_floor_fraction": sp.median / floor_mm,
+                     "vs_generate": H.ratio(sp, base).as_dict(), "_vs": H.ratio(sp, base)})
+    return {"prompt_tokens": len(prompt), "new_tokens": args.single_new_tokens, "weight_read_floor_tok_s": floor_wr,
+            "matmul_floor_tok_s": floor_mm, "rows": rows}
+
+
+def single_table(single: dict) -> str:
+    body = [[r["system"], r["_spread"].fmt() if r["posted"] else f"not posted ({r['_spread'].median:.1f})", r["check"],
+             f"{r['weight_read_floor_fraction']:.0%}", f"{r['matmul_floor_fraction']:.0%}", H.fmt_ratio(r["_vs"])]
+            for r in single["rows"]]
+    return H.md_table(["system", "tok/s median [min, max]", "tokens vs reference", "of weight-read floor",
+                       "of matmul floor", "vs generate batch 1"], body, [False, True, False, True, True, True])
+
+
+# --------------------------------------------------------------------------------------------- per dtype
+
+
+def measure_ceilings(model, dtype, quick: bool) -> dict:
+    gflops = H.in_worker(lambda: H.matmul_rate(dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.5))
+    bw, nbytes = H.in_worker(lambda: H.weight_read_bandwidth(model, repeats=3 if quick else 10))
+    return {"matmul_gflops": gflops, "matmul_shape": "1024^3" if quick else "2048^3", "weight_read_gb_s": bw,
+            "weight_bytes": nbytes, "params": sum(p.numel() for p in model.parameters()),
+            "non_embedding_params": H.non_embedding_params(model)}
+
+
+def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
     dtype = getattr(torch, dtype_name)
-    model, tok = contbatch.load_model(dtype=dtype)
+    t_start = time.perf_counter()
+    model, tok = contbatch.load_model(args.model, dtype=dtype)
     attn = model.config._attn_implementation
-    wl = Workload(make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed), args.new_tokens)
-    n_params = sum(p.numel() for p in model.parameters())  # parameters() counts tied weights once
-    warm_up(model, tok)  # in the main thread: its OpenMP team exists for every system alike
-    mm = {f"{m}x576@576x1536": in_worker(lambda m=m: matmul_rate(m, 576, 1536, dtype)) for m in (64, 512)}
-    # Compute floor: every processed token (prompt + generated) costs ~2 * n_params FLOP at the big-matmul rate.
-    # It ignores attention FLOPs and that prompt tokens skip the LM head; a rough ceiling, not a bound.
-    processed = wl.prompt_tokens + wl.generated_tokens
-    ceiling = wl.generated_tokens / (processed * 2 * n_params / (mm["512x576@576x1536"] * 1e9))
-    print(f"\n== {dtype_name}: {len(wl.prompts)} prompts, {wl.prompt_tokens} prompt + {wl.generated_tokens} new tokens, "
-          f"{n_params / 1e6:.1f}M params")
-    print("   matmul GFLOP/s: " + ", ".join(f"{k} {v:.1f}" for k, v in mm.items()))
-    print(f"   compute ceiling: {ceiling:.1f} output tok/s")
-    runners = {
-        "contbatch": lambda: run_contbatch(model, wl, "contbatch", None),
-        "contbatch-8192": lambda: run_contbatch(model, wl, "contbatch-8192", 8192),
-        PEER: lambda: run_transformers_cb(model, wl),
-        "padded16": lambda: run_padded(model, tok, wl, "padded16", 16, False),
-        "padded64": lambda: run_padded(model, tok, wl, "padded64", 64, False),
-        "padded16-sorted": lambda: run_padded(model, tok, wl, "padded16-sorted", 16, True),
-    }
-    rows, tokens = {}, {}
-    for name in systems:
-        rows[name], tokens[name] = in_worker(runners[name])
-        _cleanup(model, attn)
-        print(f"   {name:<16} {rows[name].wall_s:8.2f} s  {rows[name].tok_s:8.1f} tok/s  {rows[name].note}", flush=True)
-    best_padded = max((r.tok_s for n, r in rows.items() if n.startswith("padded")), default=None)
-    for r in rows.values():
-        r.vs_peer = r.tok_s / rows[PEER].tok_s if PEER in rows else None
-        r.vs_best_padded = r.tok_s / best_padded if best_padded else None
-    checks = {f"{n}_tokens_ok": rows[n].output_tokens == wl.generated_tokens for n in rows}
-    if dtype == torch.float32 and "contbatch" in tokens and PEER in tokens:
-        k = min(8, len(wl.prompts))
-        checks[f"contbatch_vs_{PEER}_agree_first_{k}"] = sum(a == b for a, b in zip(tokens["contbatch"][:k], tokens[PEER][:k]))
-    print("   checks: " + ", ".join(f"{k}={v}" for k, v in checks.items()))
-    print(table(list(rows.values())))
+    is_fp32 = dtype == torch.float32
+
+    def between() -> None:  # every system starts from the same model state
+        if model.config._attn_implementation != attn:
+            model.set_attn_implementation(attn)
+        gc.collect()
+
+    ceilings = measure_ceilings(model, dtype, args.sweep == "quick")
+    log(f"\n== {dtype_name}: {ceilings['params'] / 1e6:.1f}M params ({ceilings['non_embedding_params'] / 1e6:.1f}M "
+        f"non-embedding); matmul {ceilings['matmul_gflops']:.1f} GFLOP/s ({ceilings['matmul_shape']}), "
+        f"weight read {ceilings['weight_read_gb_s']:.1f} GB/s ({ceilings['weight_bytes'] / 1e6:.0f} MB)")
+    out = {"ceilings": ceilings, "attn_implementation": attn, "scenarios": {}}
+    prompts = {src: make_prompts(tok, src, args.num_prompts, args.min_len, args.max_len, args.seed)
+               for src in args.sources}
+    best_by_kind: dict[str, dict[str, Config]] = {}
+    for kind in args.workloads:
+        max_new = make_new_tokens(kind, args.num_prompts, args.new_tokens, args.mixed_min, args.mixed_max, args.seed)
+        for src in args.sources:
+            wl = Workload(kind, src, prompts[src], max_new)
+            t0 = time.perf_counter()
+            log(f"\n-- {dtype_name} {wl.name}: {wl.describe()}")
+            if is_fp32:
+                wl.reference = H.reference_tokens(model, wl.prompts, wl.max_new, tok.pad_token_id, log=log)
+            sweeps = {}
+            if kind not in best_by_kind:  # the sweep runs on the first prompt source of each workload kind
+                best_by_kind[kind] = {}
+                for fam in args.families:
+                    best_by_kind[kind][fam], sweeps[fam] = run_sweep(model, tok, wl, fam, args.sweep, between,
+                                                                     not args.no_warmup, log)
+            floor_s = 2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens) / (
+                ceilings["matmul_gflops"] * 1e9)
+            floor_tok_s = wl.generated_tokens / floor_s
+            res = bench_scenario(model, tok, wl, args, best_by_kind[kind], floor_tok_s, between, log)
+            res.update(workload=wl.describe(), prompt_tokens=wl.prompt_tokens, generated_tokens=wl.generated_tokens,
+                       matmul_floor_tok_s=floor_tok_s, sweep=sweeps, sweep_on=f"{kind}/{args.sources[0]}",
+                       elapsed_s=time.perf_counter() - t0, reference=is_fp32)
+            out["scenarios"][wl.name] = res
+            log(scenario_table(res["rows"]))
+    if args.single_new_tokens:
+        log(f"\n-- {dtype_name} single stream: 1 request of {len(prompts[args.sources[0]][0])} prompt tokens, "
+            f"{args.single_new_tokens} new tokens")
+        out["single"] = bench_single(model, tok, prompts[args.sources[0]][0], args, ceilings, is_fp32, between, log)
+        log(single_table(out["single"]))
+    out["elapsed_s"] = time.perf_counter() - t_start
     del model
     gc.collect()
-    return {"matmul_gflops": mm, "n_params": n_params, "ceiling_tok_s": ceiling, "prompt_tokens": wl.prompt_tokens,
-            "generated_tokens": wl.generated_tokens, "rows": [dataclasses.asdict(r) for r in rows.values()],
-            "checks": checks}
+    return out
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+# --------------------------------------------------------------------------------------------- report
 
 
-def table(rows: list[Row]) -> str:
-    lines = ["| system | wall s | output tok/s | vs tf generate_batch | vs best padded | outside forward | notes |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r.system} | {r.wall_s:.2f} | {r.tok_s:.1f} | {_fmt(r.vs_peer, '.2f')} | "
-                     f"{_fmt(r.vs_best_padded, '.2f')} | {_fmt(r.outside_forward, '.1%')} | {r.note} |")
+def markdown(report: dict, args) -> str:
+    lines = H.report_header("offline throughput (`benchmarks/offline.py`)", report["machine"], report["load"],
+                            args.noise_threshold)
+    lines.append(f"{args.repeats} timed runs per system, interleaved (first system rotated each round), after one "
+                 f"untimed warm-up each; sweep `{args.sweep}`; figures are median [min, max]. Ratios: ratio of "
+                 f"medians [worst/best .. best/worst]. A system whose float32 tokens differ from `model.generate` on "
+                 f"each prompt alone is not posted. Matmul floor = 2 x non-embedding params x (prompt + generated "
+                 f"tokens) / matmul rate; weight-read floor (one stream) = weight bytes / read bandwidth.\n")
+    lines.append("Attention paths: " + "; ".join(f"**{FAMILY_TITLE[f]}**: {ATTENTION[f]}" for f in FAMILIES) + ".\n")
+    for dname, d in report["dtypes"].items():
+        c = d["ceilings"]
+        lines.append(f"### {dname}\n")
+        lines.append(f"Ceilings in this run: matmul {c['matmul_gflops']:.1f} GFLOP/s ({c['matmul_shape']}), weight read "
+                     f"{c['weight_read_gb_s']:.1f} GB/s ({c['weight_bytes'] / 1e6:.0f} MB of weights; "
+                     f"{c['non_embedding_params'] / 1e6:.1f}M non-embedding params).\n")
+        for name, s in d["scenarios"].items():
+            lines.append(f"**{name}**: {s['workload']}. Matmul floor {s['matmul_floor_tok_s']:.0f} tok/s.\n")
+            lines.append(scenario_table(s["rows"]))
+            lines.append("")
+            if s["sweep"]:
+                lines.append(f"<details><summary>sweep on {s['sweep_on']}</summary>\n\n{sweep_table(s['sweep'])}\n\n</details>\n")
+        if "single" in d:
+            sg = d["single"]
+            lines.append(f"**single stream**: 1 request, {sg['prompt_tokens']} prompt + {sg['new_tokens']} new tokens; "
+                         f"weight-read floor {sg['weight_read_floor_tok_s']:.0f} tok/s, matmul floor "
+                         f"{sg['matmul_floor_tok_s']:.0f} tok/s.\n")
+            lines.append(single_table(sg))
+            lines.append("")
     return "\n".join(lines)
 
 
-def markdown_section(report: dict) -> str:
-    m, w = report["machine"], report["workload"]
-    out = [f"\n## offline.py, {datetime.date.today().isoformat()}\n",
-           f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
-           f"transformers {m['transformers']}; load average before the run {m['loadavg']}.",
-           f"Workload: {w['num_prompts']} prompts of {w['min_len']}..{w['max_len']} tokens (seed {w['seed']}), "
-           f"{w['new_tokens']} new tokens each, EOS ignored.\n"]
-    for dtype_name, d in report["dtypes"].items():
-        mm = ", ".join(f"{k} {v:.1f}" for k, v in d["matmul_gflops"].items())
-        out += [f"### {dtype_name}\n", f"Matmul GFLOP/s: {mm}. Compute ceiling {d['ceiling_tok_s']:.1f} output tok/s "
-                f"({d['prompt_tokens']} prompt + {d['generated_tokens']} generated tokens, "
-                f"{d['n_params'] / 1e6:.1f}M params).\n",
-                table([Row(**r) for r in d["rows"]]), "", "Checks: " + ", ".join(f"{k}={v}" for k, v in d["checks"].items()), ""]
-    return "\n".join(out)
+def strip_private(obj):
+    if isinstance(obj, dict):
+        return {k: strip_private(v) for k, v in obj.items() if not k.startswith("_")}
+    if isinstance(obj, list):
+        return [strip_private(v) for v in obj]
+    return obj
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--only", default=",".join(SYSTEMS), help=f"comma list of: {', '.join(SYSTEMS)}")
-    p.add_argument("--out", type=Path, help="write the full report as JSON here")
-    p.add_argument("--results-md", type=Path, help="append a markdown section here (e.g. benchmarks/RESULTS.md)")
+    p.add_argument("--workloads", default="fixed,mixed", help="comma list of: fixed, mixed")
+    p.add_argument("--prompts", dest="sources_arg", default="text,chat", help="comma list of: text, chat")
+    p.add_argument("--systems", default=",".join(FAMILIES), help=f"comma list of: {', '.join(FAMILIES)}")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--min-len", type=int, default=16, help="prompt (or chat user text) length, tokens")
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=64, help="fixed workload: new tokens per request")
+    p.add_argument("--mixed-min", type=int, default=16, help="mixed workload: max_new_tokens drawn log-uniform from")
+    p.add_argument("--mixed-max", type=int, default=256, help="... to this")
+    p.add_argument("--single-new-tokens", type=int, default=256, help="single-stream row (0: skip it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", choices=["full", "quick", "none"], default="full",
+                   help="each system's knobs: full grid, one alternative each, or defaults only")
+    p.add_argument("--quick", action="store_true", help="smoke run: --sweep quick, shorter ceiling measurements")
+    H.add_common_args(p)
     args = p.parse_args()
-    systems = [s for s in args.only.split(",") if s]
-    if unknown := set(systems) - set(SYSTEMS):
-        p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.quick and args.sweep == "full":
+        args.sweep = "quick"
+    args.families = [s for s in args.systems.split(",") if s]
+    args.sources = [s for s in args.sources_arg.split(",") if s]
+    args.workloads = [s for s in args.workloads.split(",") if s]
+    if bad := set(args.families) - set(FAMILIES):
+        p.error(f"unknown systems {sorted(bad)}")
+    if bad := set(args.sources) - {"text", "chat"}:
+        p.error(f"unknown prompt sources {sorted(bad)}")
+    if bad := set(args.workloads) - {"fixed", "mixed"}:
+        p.error(f"unknown workloads {sorted(bad)}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     transformers.logging.set_verbosity_error()  # eos=-1 warns on every padded batch
 
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
-    if machine["loadavg"][0] > 0.5:
-        print(f"WARNING: 1-minute load average {machine['loadavg'][0]} > 0.5: the machine is not quiet, "
-              "every multithreaded matmul will wait on the other processes and the numbers will be low and noisy.")
-    workload = {k: getattr(args, k) for k in ("num_prompts", "min_len", "max_len", "new_tokens", "seed")}
-    report = {"machine": machine, "workload": workload,
-              "dtypes": {d: bench_dtype(d, args, systems) for d in args.dtypes.split(",") if d}}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
-    if args.results_md:
-        with args.results_md.open("a") as f:
-            f.write(markdown_section(report))
-        print(f"appended to {args.results_md}")
+    monitor = H.LoadMonitor(threshold=args.noise_threshold).start()
+    machine = H.machine_info()
+    print(f"command: {H.command_line()}\nmachine: {H.machine_line(machine)}\n"
+          f"load average before: {monitor.before[0]:.2f} (1 min)")
+    if monitor.before[0] > args.noise_threshold:
+        print(f"WARNING: 1-minute load average {monitor.before[0]:.2f} > {args.noise_threshold}: this run will be "
+              "labelled noisy.")
+    t0 = time.perf_counter()
+    dtypes = {d: bench_dtype(d, args, monitor, lambda s: print(s, flush=True)) for d in args.dtypes.split(",") if d}
+    load = monitor.stop()
+    report = {"benchmark": "offline", "command": H.command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": machine, "load": load, "noisy_rule": H.noisy_rule(args.noise_threshold),
+              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, type(None)))},
+              "elapsed_s": time.perf_counter() - t0, "dtypes": dtypes}
+    md = markdown(report, args)
+    print("\n" + H.load_line(load))
+    print(f"elapsed {report['elapsed_s']:.0f} s")
+    H.write_outputs(args, strip_private(report), md)
+    if args.out is None and args.results_md is None:
+        print("\n(markdown section, for reference)\n" + md)
 
 
 if __name__ == "__main__":

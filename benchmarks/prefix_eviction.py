@@ -8,15 +8,25 @@ released first, the reference's behaviour).
 
 Workload: system prompts of popularity following Zipf's law, each request one of them plus a
 unique user turn and its generated tokens, a fixed number of requests in flight.
+
+The result is a hit rate, deterministic for a seed: timing does not enter it, so there are no
+repeats and no noisy rule; the wall time of each order is printed for information only. The
+table and the markdown/JSON output use the shared `harness.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
+import time
 from collections import deque
+from pathlib import Path
 
-from contbatch.cache import BlockManager
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as H  # noqa: E402
+from contbatch.cache import BlockManager  # noqa: E402
 
 
 def run(eviction: str, args: argparse.Namespace) -> tuple[float, int]:
@@ -51,15 +61,33 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=0, help="default: in-flight need + a third of the systems")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2,000 requests")
+    parser.add_argument("--out", type=Path, help="write the report as JSON here")
+    parser.add_argument("--results-md", type=Path, help="append the markdown section here")
     args = parser.parse_args()
+    if args.quick and "--requests" not in sys.argv:
+        args.requests = 2000
     if not args.num_blocks:
         args.num_blocks = args.in_flight * (args.system_blocks + args.tail_blocks) + args.num_systems * args.system_blocks // 3
-    print(f"{args.requests} requests, {args.num_systems} system prompts (zipf {args.zipf}) of {args.system_blocks} blocks "
-          f"+ {args.tail_blocks} unique blocks, {args.in_flight} in flight, cache {args.num_blocks} blocks of {args.block_size}")
-    print("| eviction | prefix hit rate | evictions |\n|---|---|---|")
+    workload = (f"{args.requests} requests, {args.num_systems} system prompts (zipf {args.zipf}) of {args.system_blocks} "
+                f"blocks + {args.tail_blocks} unique blocks, {args.in_flight} in flight, cache {args.num_blocks} blocks "
+                f"of {args.block_size}, seed {args.seed}")
+    print(workload)
+    rows, body = {}, []
     for eviction in ("lru", "mru"):
+        t = time.perf_counter()
         rate, evictions = run(eviction, args)
-        print(f"| {eviction} | {rate:.1%} | {evictions} |")
+        rows[eviction] = {"hit_rate": rate, "evictions": evictions, "wall_s": time.perf_counter() - t}
+        body.append([eviction, f"{rate:.1%}", f"{evictions:,}"])
+    table = H.md_table(["eviction", "prefix hit rate", "evictions"], body)
+    print(table)
+    machine = H.machine_info()
+    md = H.report_header("prefix-cache eviction order (`benchmarks/prefix_eviction.py`)", machine, None)
+    md += [f"Block manager alone (deterministic: no timing, no repeats): {workload}.\n", table]
+    report = {"benchmark": "prefix_eviction", "command": H.command_line(), "machine": machine, "workload": vars(args),
+              "rows": rows}
+    args.force_results = True  # nothing timed: a busy machine cannot change a hit rate
+    H.write_outputs(args, report, "\n".join(md))
 
 
 if __name__ == "__main__":

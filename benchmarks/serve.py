@@ -1,14 +1,216 @@
-"""Load-test an OpenAI-compatible server: the same as `contbatch bench serve`.
+"""Load-test an OpenAI-compatible server (the same as `contbatch bench serve`), or compare several.
+
+One server (everything after the script name goes to `contbatch bench serve`):
 
     contbatch serve &                       # or vLLM, or `transformers serve`
     python benchmarks/serve.py --base-url http://127.0.0.1:8000/v1 --request-rate 1 2 4 inf
 
-See `contbatch/bench/` for what is measured and how.
+Several servers, already running, compared under the shared harness (`harness.py`):
+
+    python benchmarks/serve.py --compare contbatch=http://127.0.0.1:8000/v1 \\
+        tf-serve=http://127.0.0.1:8001/v1 --num-prompts 64 --max-concurrency 1 16 --repeats 3
+
+With `--compare`, each server is a system: one untimed warm-up pass (every load level), then
+`--repeats` interleaved rounds, the first server rotated each round; output tok/s and TTFT /
+TPOT p50 are reported as median [min, max] per load level, with ratios against each other
+server. The servers' processes (found by their listening port, or `--pids`) count as the
+benchmark's own threads in the load sampling. Before timing, greedy non-streamed completions of
+the first `--check-prompts` prompts are compared with `model.generate` on each prompt alone
+(`--reference-model`, float32, EOS honoured as the servers do); a server whose text differs
+says MISMATCH and its figures are not posted. See `contbatch/bench/` for what is measured.
 """
 
-import sys
+from __future__ import annotations
 
-from contbatch.bench.cli import main
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as H  # noqa: E402
+
+
+def pids_listening_on(port: int) -> list[int]:
+    """Processes with a TCP socket listening on `port` (from /proc; only those we may read)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = fd.readlink().as_posix() if hasattr(fd, "readlink") else ""
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    pids.append(int(proc.name))
+                    break
+        except OSError:
+            continue
+    return pids
+
+
+def check_servers(servers: dict, model_names: dict, requests, args) -> dict[str, dict]:
+    """Greedy non-streamed completions of the first prompts, against model.generate alone."""
+    import httpx
+    import torch
+    from transformers import GenerationConfig
+
+    import contbatch
+
+    reqs = requests[:args.check_prompts]
+    if not reqs:
+        return {n: {"checked": False} for n in servers}
+    model, tok = contbatch.load_model(None if args.reference_model == "default" else args.reference_model)
+    refs = []
+    with torch.inference_mode():
+        for r in reqs:
+            ids = tok(r.prompt, return_tensors="pt")
+            out = model.generate(**ids, generation_config=GenerationConfig(max_new_tokens=r.output_len, do_sample=False))
+            refs.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    del model
+    checks = {}
+    for name, url in servers.items():
+        bad = []
+        for i, (r, ref) in enumerate(zip(reqs, refs)):
+            body = {"model": model_names[name], "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0}
+            try:
+                resp = httpx.post(url.rstrip("/") + "/completions", json=body, timeout=args.timeout)
+                text = resp.json()["choices"][0]["text"]
+            except Exception as exc:  # noqa: BLE001 - any failure is a mismatch, said as such
+                text = f"<error {exc}>"
+            if text != ref:
+                bad.append(i)
+        checks[name] = {"checked": True, "mismatch": len(bad), "n": len(reqs), "first": bad[0] if bad else None}
+        print(f"   check {name}: {H.check_label(checks[name])}", flush=True)
+    return checks
+
+
+def compare(argv: list[str]) -> int:
+    from contbatch.bench.cli import _discover_model, _rates, _tokenizer, add_arguments
+    from contbatch.bench.client import Endpoint
+    from contbatch.bench.datasets import random_dataset, shared_prefix_dataset
+    from contbatch.bench.report import level_stats
+    from contbatch.bench.runner import Load, run_level
+
+    p = argparse.ArgumentParser(prog="benchmarks/serve.py --compare", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    p.add_argument("--compare", nargs="+", required=True, metavar="NAME=URL", help="servers to compare (their /v1 URLs)")
+    p.add_argument("--pids", nargs="*", default=[], metavar="NAME=PID",
+                   help="server processes, when not found by their port (their CPU counts as ours)")
+    p.add_argument("--check-prompts", type=int, default=8, help="prompts checked against model.generate (0: none)")
+    p.add_argument("--reference-model", default="default", help="'default' (embedded model) or a local folder")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat unless --repeats is given")
+    H.add_common_args(p)
+    args = p.parse_args(argv)
+    if args.quick and "--repeats" not in argv:
+        args.repeats = 1
+    servers = dict(s.split("=", 1) for s in args.compare)
+    names = {n: args.model or _discover_model(u, args.api_key) for n, u in servers.items()}
+    tokenizer = _tokenizer(args.tokenizer)
+    if args.dataset == "random":
+        requests = random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+    else:
+        requests = shared_prefix_dataset(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len,
+                                         args.suffix_len, args.output_len, args.seed)
+    loads = [Load(r, c) for r in _rates(args.request_rate) for c in (args.max_concurrency or [None])]
+    pids = [int(x.split("=", 1)[1]) for x in args.pids]
+    for url in servers.values():
+        pids += pids_listening_on(urlparse(url).port or 80)
+    monitor = H.LoadMonitor(threshold=args.noise_threshold, pids=sorted(set(pids))).start()
+    machine = H.machine_info()
+    print(f"command: {H.command_line()}\nmachine: {H.machine_line(machine)}\nserver pids (own load): {sorted(set(pids))}\n"
+          f"load average before: {monitor.before[0]:.2f}", flush=True)
+    checks = check_servers(servers, names, requests, args)
+
+    def one_pass(name: str) -> dict:
+        ep = Endpoint(servers[name], names[name], args.endpoint == "chat", args.api_key, args.ignore_eos,
+                      args.temperature)
+        out = {}
+        for load in loads:
+            results, duration = asyncio.run(run_level(ep, requests, load, args.seed, args.timeout, progress=False))
+            out[load.label()] = level_stats(load, results, duration)
+        return out
+
+    def system(name: str):
+        def run() -> H.Sample:
+            t = time.perf_counter()
+            levels = one_pass(name)
+            toks = sum(lv["total_output_tokens"] for lv in levels.values())
+            return H.Sample(time.perf_counter() - t, toks, None, {"levels": levels})
+        return run
+
+    samples = H.run_interleaved({n: system(n) for n in servers}, args.repeats, warmup=not args.no_warmup,
+                                worker=False, log=lambda s: print(s, flush=True))
+    load = monitor.stop()
+    print("\n" + H.load_line(load))
+
+    def spread(name: str, level: str, key: str) -> H.Spread | None:
+        vals = []
+        for s in samples[name]:
+            lv = s.extra["levels"][level]
+            v = lv[key] if key == "output_throughput" else lv[key]["p50_ms"]
+            if v is None or lv["failed"]:
+                return None
+            vals.append(v)
+        return H.Spread.of(vals)
+
+    body, rows = [], []
+    for load_ in loads:
+        level = load_.label()
+        for name in servers:
+            ok = checks[name].get("mismatch", 0) == 0
+            tput = spread(name, level, "output_throughput")
+            cells = [name, level, H.check_label(checks[name])]
+            cells.append(tput.fmt() if tput and ok else ("not posted" if not ok else "failed requests"))
+            for key in ("ttft", "tpot"):
+                sp = spread(name, level, key)
+                cells.append(sp.fmt(".0f") if sp and ok else "-")
+            for other in servers:
+                if other == name:
+                    continue
+                o = spread(other, level, "output_throughput")
+                o_ok = checks[other].get("mismatch", 0) == 0
+                cells.append(f"vs {other}: " + (H.fmt_ratio(H.ratio(tput, o)) if tput and o and ok and o_ok else "-"))
+            body.append(cells)
+            rows.append({"server": name, "level": level, "check": checks[name],
+                         "output_tok_s": tput.as_dict() if tput else None})
+    headers = ["server", "load", "text vs reference", "output tok/s median [min, max]", "TTFT p50 ms", "TPOT p50 ms",
+               "ratios (output tok/s)"]
+    body = [row[:6] + ["; ".join(row[6:])] for row in body]
+    table = H.md_table(headers, body, [False, False, False, True, True, True, False])
+    print(table)
+    md = H.report_header("online serving comparison (`benchmarks/serve.py --compare`)", machine, load,
+                         args.noise_threshold)
+    md += [f"Servers: " + ", ".join(f"{n} at {u} (model `{names[n]}`)" for n, u in servers.items()) + ". "
+           f"{args.num_prompts} prompts ({args.dataset}, input {args.input_len}, output {args.output_len}, "
+           f"{args.endpoint}, streaming, temperature {args.temperature}); {args.repeats} timed passes per server, "
+           f"interleaved, after one untimed warm-up pass each.\n", table]
+    report = {"benchmark": "serve-compare", "command": H.command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": machine, "load": load, "servers": servers, "checks": checks, "rows": rows,
+              "runs": {n: [s.extra["levels"] for s in ss] for n, ss in samples.items()}}
+    H.write_outputs(args, report, "\n".join(md))
+    return 0
+
+
+def main() -> int:
+    if "--compare" in sys.argv[1:]:
+        return compare(sys.argv[1:])
+    from contbatch.bench.cli import main as bench_main
+
+    return bench_main()
+
 
 if __name__ == "__main__":
     sys.exit(main())

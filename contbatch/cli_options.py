@@ -15,6 +15,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-fast-path", action=on_off, default=None, help="default: on where the backend has it")
     p.add_argument("--cuda-graph", action=on_off, default=None, help="default: on with triton/flash on CUDA")
     p.add_argument("--async-batching", action=on_off, default=None, help="default: on when CUDA graphs are")
+    p.add_argument("--compile-level", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="torch.compile the step: 0 none, 1 default+dynamic, 2 max-autotune+dynamic, 3 max-autotune "
+                        "static shapes (default: the engine's)")
 
 
 def resolve_device(name: str) -> str:
@@ -32,4 +35,5 @@ def gpu_config(args: argparse.Namespace) -> dict:
         decode_fast_path=args.decode_fast_path,
         use_cuda_graph=args.cuda_graph,
         use_async_batching=args.async_batching,
+        **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),
     )

@@ -66,6 +66,12 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL  # varlen graphs: KV length bucket
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
     cuda_graph_max_tokens: int = DEFAULT_CUDA_GRAPH_MAX_TOKENS  # larger varlen steps run eagerly
+    # torch.compile of the whole step: 0 none, 1 default + dynamic, 2 max-autotune-no-cudagraphs
+    # + dynamic, 3 the same with dynamic=False. A transformers `CompileConfig` per path (decode-
+    # only steps, every other step) overrides the level for that path.
+    default_compile_level: int = 0
+    decode_compile_config: object | None = None
+    varlen_compile_config: object | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -103,6 +109,8 @@ class ContinuousBatchingConfig:
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_compile_level not in (0, 1, 2, 3):
+            raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 
@@ -139,6 +147,9 @@ class ResolvedConfig:
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
     cuda_graph_max_tokens: int = DEFAULT_CUDA_GRAPH_MAX_TOKENS  # larger varlen steps run eagerly
+    compile_level: int = 0
+    decode_compile: object | None = None  # CompileChoice, or None: eager
+    varlen_compile: object | None = None
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

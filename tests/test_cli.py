@@ -43,3 +43,30 @@ def test_generate_jsonl_messages_and_sampling(tmp_path, capsys, default_model):
 def test_generate_bad_argument_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
     assert "not a local model folder" in capsys.readouterr().err
+
+
+def _run(tmp_path, name: str, *extra: str) -> dict:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n")
+    out = tmp_path / f"{name}.jsonl"
+    args = ["generate", "--input", str(prompts), "--output", str(out), "--max-new-tokens", "10", "--quiet", *extra]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_generate_sampling_top_p_and_stop_flags(tmp_path, capsys, default_model, monkeypatch):
+    """Seeded sampling is not greedy; `--top-p` reaches the sampler (a tiny nucleus is the
+    greedy token, whatever the temperature); `--stop` cuts the text at a stop string. (The
+    session's default model is handed to the command: loading it is tested above.)"""
+    import contbatch
+
+    monkeypatch.setattr(contbatch, "load_model", lambda *args, **kwargs: default_model)
+    greedy = _run(tmp_path, "greedy")
+    assert greedy["text"].startswith("The capital of France is Paris")
+    sampled = _run(tmp_path, "sampled", "--temperature", "1.5", "--seed", "3")
+    assert sampled["generated_tokens"] != greedy["generated_tokens"]
+    nucleus = _run(tmp_path, "nucleus", "--temperature", "1.5", "--seed", "3", "--top-p", "0.01")
+    assert nucleus["generated_tokens"] == greedy["generated_tokens"]
+    stopped = _run(tmp_path, "stopped", "--stop", "Paris", "--stop", "never-there")
+    assert stopped["text"] == "The capital of France is " and stopped["finish_reason"] == "stop"
+    assert len(stopped["generated_tokens"]) < len(greedy["generated_tokens"])

@@ -104,6 +104,14 @@ def test_default_model_chat_prompts(default_model):
     assert "Paris" in tok.decode(results["req_0"].generated_tokens)
 
 
+def test_default_model_few_random_prompts(default_model):
+    """The default run's share of the slow test below: random token prompts (not chat text)
+    on the real model, chunked across small blocks while others decode."""
+    model, _ = default_model
+    prompts = random_prompts(3, 1, 30, seed=7, vocab=49152)
+    _check(model, prompts, 4, ContinuousBatchingConfig(block_size=8, max_batch_tokens=32))
+
+
 @pytest.mark.slow
 def test_default_model_many_random_prompts(default_model):
     model, _ = default_model

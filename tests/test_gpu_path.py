@@ -4,9 +4,11 @@ padded as for graphs) through the PyTorch reference kernels."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import random
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -19,8 +21,8 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Reque
 from contbatch.attention import backend as backend_mod
 from contbatch.attention.backend import choose_backend
 from contbatch.engine.buckets import Bucketing, StepShape, decode_bucket, pad_batch
-from contbatch.engine.flat_batch import apply_carry, build_flat_batch
-from contbatch.engine.flat_runner import Streams
+from contbatch.engine.step_batch import apply_carry, build_step_batch
+from contbatch.engine.step_runner import Streams
 from contbatch.engine.graphs import GraphCache, eager_capture
 from contbatch.requests import PLACEHOLDER, RequestState
 from contbatch.scheduling.scheduler import ScheduledChunk, StepPlan
@@ -89,10 +91,20 @@ def _plan(*specs) -> StepPlan:
     return StepPlan(chunks=[ScheduledChunk(_state(rid, toks, comp), n) for rid, toks, comp, n in specs])
 
 
-def test_flat_batch_and_padding_point_padding_at_trash():
+class _Tables:
+    """The two things `build_step_batch` asks a block manager: tables, and the block size."""
+
+    def __init__(self, block_size: int, **tables: list[int]) -> None:
+        self.block_size, self.tables = block_size, tables
+
+    def table(self, request_id: str) -> list[int]:
+        return self.tables[request_id]
+
+
+def test_step_batch_and_padding_point_padding_at_trash():
     bs = 4
     plan = _plan(("a", [5, 6, 7, 8, 9], 4, 1), ("b", [1, 2, 3], 0, 3))
-    batch = build_flat_batch(plan, [[3, 7], [2]], bs)
+    batch = build_step_batch(plan, _Tables(bs, a=[3, 7], b=[2]))
     assert batch.input_ids.tolist() == [9, 1, 2, 3]
     assert batch.positions.tolist() == [4, 0, 1, 2]
     assert batch.write_slots.tolist() == [7 * bs + 0, 2 * bs, 2 * bs + 1, 2 * bs + 2]
@@ -101,29 +113,31 @@ def test_flat_batch_and_padding_point_padding_at_trash():
 
     bucketing = Bucketing(max_requests=16, q_interval=8, kv_interval=32, tiles_for=lambda t, b: t // 4 + b, kv_keyed=True)
     shape = bucketing.padded(batch)
-    assert shape == StepShape(False, 8, 8, 10, 32)
+    assert shape == StepShape(False, 8, 8, 10, 32, 8)
     padded = pad_batch(batch, shape, table_width=3, trash_block=10, write_trash_slot=11 * bs)
     assert padded["write_slots"].tolist()[4:] == [11 * bs] * 4
     assert padded["cu_seqlens_q"].tolist() == [0, 1, 4] + [4] * 6  # padding requests own no tokens
     assert padded["kv_lens"].tolist() == [5, 3] + [0] * 6
     assert padded["block_table"][0].tolist() == [3, 7, 10] and padded["block_table"][5].tolist() == [10, 10, 10]
     assert padded["cu_seqlens_k"].tolist() == [0, 5, 8] + [8] * 6
-    assert bucketing.exact(batch) == StepShape(False, 4, 2, 3, 5)
+    assert bucketing.exact(batch) == StepShape(False, 4, 2, 3, 5, 2)
     small = Bucketing(16, 8, 32, tiles_for=None, kv_keyed=False, graph_max_tokens=8)
     assert small.graphable(batch)  # 4 tokens pad to 8
-    assert not small.graphable(build_flat_batch(_plan(("c", list(range(9)), 0, 9)), [[1, 2, 3]], bs))
+    assert not small.graphable(build_step_batch(_plan(("c", list(range(9)), 0, 9)), _Tables(bs, c=[1, 2, 3])))
 
-    decode = build_flat_batch(_plan(("a", [5, 6, 7], 2, 1), ("b", [1, 2], 1, 1), ("c", [4], 0, 1)), [[1], [2], [3]], bs)
+    decode = build_step_batch(_plan(("a", [5, 6, 7], 2, 1), ("b", [1, 2], 1, 1), ("c", [4], 0, 1)),
+                              _Tables(bs, a=[1], b=[2], c=[3]))
+    assert [c.state.request_id for c in decode.chunks] == ["c", "b", "a"]  # single-token rows, shortest first
     dshape = bucketing.padded(decode)
-    assert dshape == StepShape(True, 4, 4, 0, 0)
+    assert dshape == StepShape(True, 4, 4, 0, 0, 4)
     padded = pad_batch(decode, dshape, 2, trash_block=10, write_trash_slot=44)
-    assert padded["kv_lens"].tolist() == [3, 2, 1, 1]  # one zero key from the read-trash block
+    assert padded["kv_lens"].tolist() == [1, 2, 3, 1]  # padding reads one zero key from the read-trash block
     assert padded["block_table"][3].tolist() == [10, 10] and padded["write_slots"][3] == 44
     with pytest.raises(ValueError):
-        pad_batch(decode, StepShape(True, 2, 2, 0, 0), 2, 10, 44)
+        pad_batch(decode, StepShape(True, 2, 2, 0, 0, 2), 2, 10, 44)
     # Without the fast path a decode-only step runs the varlen kernel: it needs its tiles.
     slow = Bucketing(16, 8, 32, tiles_for=lambda t, b: t // 4 + b, kv_keyed=True, fast_decode=False)
-    assert slow.padded(decode) == StepShape(True, 4, 4, 5, 32) and slow.exact(decode).num_tiles == 3
+    assert slow.padded(decode) == StepShape(True, 4, 4, 5, 32, 4) and slow.exact(decode).num_tiles == 3
 
 
 def test_token_major_cache_is_the_same_cache():
@@ -172,13 +186,13 @@ def test_carry_over_fills_placeholders_from_the_step_in_flight():
     a.reserve_token()  # sampled by the step in flight: not known on the host yet
     b = _state("b", [1, 2, 3], 0)
     plan = StepPlan(chunks=[ScheduledChunk(a, 1), ScheduledChunk(b, 3)])
-    batch = build_flat_batch(plan, [[0], [1]], 4, prev_rows={"a": 2})
+    batch = build_step_batch(plan, _Tables(4, a=[0], b=[1]), prev_rows={"a": 2})
     assert batch.input_ids.tolist() == [0, 1, 2, 3] and batch.carry.tolist() == [2, -1, -1, -1]
     ids = batch.input_ids.clone()
     apply_carry(ids, batch.carry, torch.tensor([40, 41, 42]))
     assert ids.tolist() == [42, 1, 2, 3]
     with pytest.raises(RuntimeError, match="placeholder"):
-        build_flat_batch(plan, [[0], [1]], 4, prev_rows={})
+        build_step_batch(plan, _Tables(4, a=[0], b=[1]), prev_rows={})
 
 
 def test_placeholders_stay_internal():
@@ -189,6 +203,89 @@ def test_placeholders_stay_internal():
     s.set_token(first, 9)  # a stop token: the later placeholder is dropped with it
     assert s.status == RequestStatus.FINISHED and s.generated_tokens == [9] and s.all_token_ids == [1, 2, 9]
     assert second == 1
+
+
+# -- host reads inside captured graphs, and the device -------------------------------------
+# A CUDA graph cannot read a tensor on the host: `.item()`, `.tolist()`, `int(t)` inside a
+# capture fail (or, worse, capture a stale value). The CPU stand-in for capture would let them
+# pass, so `strict_capture` makes them raise while the captured forward runs (its capture and
+# every replay): a graph that would break on a GPU breaks here too.
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__")
+_in_graph = threading.local()
+
+
+class HostReadInGraph(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def no_host_reads_in_graphs(monkeypatch):
+    """Tensor host reads raise on a thread while it runs a captured forward (test-side only)."""
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def guarded(self, *args, _original=original, _name=name, **kwargs):
+            if getattr(_in_graph, "on", False):
+                raise HostReadInGraph(f"Tensor.{_name} read on the host inside a captured graph")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+
+def strict_capture(run, pool):
+    """`eager_capture`, with host reads forbidden while the captured forward runs."""
+
+    def captured():
+        _in_graph.on = True
+        try:
+            return run()
+        finally:
+            _in_graph.on = False
+
+    output = captured()
+
+    def replay() -> None:
+        output.copy_(captured())
+
+    return replay, output
+
+
+def test_strict_capture_catches_host_reads(no_host_reads_in_graphs):
+    cache = GraphCache(2, strict_capture)
+    x = torch.arange(4.0)
+    cache.add("clean", lambda: x * 2)
+    assert cache.replay("clean").tolist() == [0.0, 2.0, 4.0, 6.0]  # outside the graph: allowed
+    for read in (lambda t: t.sum().item(), lambda t: t.tolist(), lambda t: int(t[0]), lambda t: bool(t.any())):
+        with pytest.raises(HostReadInGraph):
+            cache.add("syncs", lambda read=read: x * read(x))
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The flat layout on the CPU (reference kernels, graphs replayed eagerly), and on CUDA when
+    present: Triton kernels, real CUDA graphs and streams."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+def on_device(model, device):
+    return model if device.type == "cpu" else copy.deepcopy(model).to(device)
+
+
+def generate_on(model, prompt, max_new, eos=None):
+    """`reference_generate` on whatever device the model is on."""
+    if next(model.parameters()).device.type == "cpu":
+        return reference_generate(model, prompt, max_new, eos)
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=model.device)
+            out = model.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
+    finally:
+        model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
 
 
 # -- the flat layout end to end ------------------------------------------------------------
@@ -224,15 +321,16 @@ class RecordingStreams(Streams):
         return t
 
 
-def _flat_run(model, prompts, max_new, config, graphs=False, streams=None, eos=None, params=None, cancel=None):
+def _flat_run(model, prompts, max_new, config, graphs=False, streams=None, eos=None, params=None, cancel=None,
+              capture=eager_capture):
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
     manager = ContinuousBatchingManager(model, gc, config)
     manager.start()
     try:
         if graphs:  # the padded, fixed-buffer path of CUDA graphs, replayed eagerly
-            manager._flat.graphs = GraphCache(3, eager_capture)
+            manager.core.runner.graphs = GraphCache(3, capture)
         if streams is not None:
-            manager._flat.streams = streams
+            manager.core.runner.streams = streams
         ids = manager.add_requests(prompts, sampling_params=params)
         if cancel is not None:
             manager.cancel_request(ids[cancel])
@@ -248,20 +346,38 @@ def _flat_run(model, prompts, max_new, config, graphs=False, streams=None, eos=N
 
 @pytest.mark.parametrize("use_async", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_flat_layout_is_exact(tiny_model, use_async, graphs):
+def test_flat_layout_is_exact(tiny_model, device, use_async, graphs):
     """Chunked prefill, decode fast path and varlen steps, padded to graph buckets or not,
-    with carry-over or not: token-identical to `model.generate`."""
+    with carry-over or not: token-identical to `model.generate`. On CUDA: our Triton kernels,
+    real CUDA graphs (captured, an LRU of 3 so some are evicted) and the three streams."""
+    model = on_device(tiny_model, device)
     prompts = random_prompts(16, 1, 50, seed=31)
+    cuda = device.type == "cuda"
     config = ContinuousBatchingConfig(
-        block_size=4, max_batch_tokens=40, attention_backend="reference", use_async_batching=use_async,
-        q_padding_interval_size=16,
+        block_size=4, max_batch_tokens=40, attention_backend="triton" if cuda and graphs else "reference",
+        use_async_batching=use_async, q_padding_interval_size=16, use_cuda_graph=graphs if cuda else None,
+        max_cached_graphs=3,
     )
-    outs, stats = _flat_run(tiny_model, prompts, 9, config, graphs=graphs)
+    outs, stats = _flat_run(model, prompts, 9, config, graphs=graphs and not cuda)
     for prompt, out in zip(prompts, outs):
-        assert out.generated_tokens == reference_generate(tiny_model, prompt, 9)
+        assert out.generated_tokens == generate_on(model, prompt, 9)
     assert stats["decode_only_steps"] > 0
     if graphs:
         assert stats["graph_captures"] > 3 and stats["graph_replays"] > 0  # evictions happened too
+
+
+def test_flat_layout_sliding_windows_and_softcap_on_cuda(sliding_model):
+    """The sliding-window models through real CUDA graphs and streams (skipped without CUDA)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = on_device(sliding_model, torch.device("cuda"))
+    prompts = random_prompts(10, 1, 40, seed=32)
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, attention_backend="triton",
+                                      use_async_batching=True, use_cuda_graph=True, q_padding_interval_size=16)
+    outs, stats = _flat_run(model, prompts, 8, config)
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == generate_on(model, prompt, 8)
+    assert stats["graph_replays"] > 0
 
 
 def test_flat_layout_sliding_windows_and_softcap(sliding_model):
@@ -315,7 +431,19 @@ def test_async_sampling_matches_sync(llama_model):
     assert len(runs[1][-1]) == 3
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_GENERATE_MEMO: dict = {}
+
+
+def _generate_memo(model, prompt: list[int], max_new: int, stop: int) -> list[int]:
+    """`model.generate` (greedy, stopping on `stop`), memoized per (prompt, length, stop):
+    hypothesis examples share seeds' prompts, and the reference is the slow part."""
+    key = (id(model), tuple(prompt), max_new, stop)
+    if key not in _GENERATE_MEMO:
+        _GENERATE_MEMO[key] = reference_generate(model, prompt, max_new, stop)
+    return _GENERATE_MEMO[key]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     num_blocks=st.sampled_from([16, 24, 200]),
@@ -323,14 +451,16 @@ def test_async_sampling_matches_sync(llama_model):
     scheduler=st.sampled_from(["fifo", "prefill_first"]),
     budget=st.sampled_from([8, 24, 64]),
 )
-def test_async_equals_sync_on_random_workloads(llama_model, seed, num_blocks, offload, scheduler, budget):
-    """Whatever the pressure, budget and scheduler, the carry-over pipeline (padded as for
-    graphs) produces exactly what the one-step-at-a-time loop does, token for token."""
+def test_async_and_sync_equal_generate_on_random_workloads(llama_model, seed, num_blocks, offload, scheduler, budget):
+    """Whatever the pressure, budget and scheduler, both the carry-over pipeline (padded as for
+    graphs) and the one-step-at-a-time loop produce exactly what `model.generate` does, token
+    for token, stopping where it stops."""
     rng = random.Random(seed)
     prompts = random_prompts(rng.randint(2, 10), 1, 30, seed=seed)
     lengths = [rng.randint(1, 12) for _ in prompts]
-    params = [SamplingParams(max_new_tokens=n, stop_token_ids=[rng.randrange(512)]) for n in lengths]
-    runs = []
+    stops = [rng.randrange(3, 512) for _ in prompts]
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=[t]) for n, t in zip(lengths, stops)]
+    expected = [_generate_memo(llama_model, p, n, t) for p, n, t in zip(prompts, lengths, stops)]
     for use_async in (False, True):
         config = ContinuousBatchingConfig(
             block_size=4, num_blocks=num_blocks, max_batch_tokens=budget, attention_backend="reference",
@@ -338,8 +468,10 @@ def test_async_equals_sync_on_random_workloads(llama_model, seed, num_blocks, of
             q_padding_interval_size=8,
         )
         outs, _ = _flat_run(llama_model, prompts, 12, config, graphs=use_async, params=params)
-        runs.append([(o.generated_tokens, o.finish_reason) for o in outs])
-    assert runs[0] == runs[1]
+        for out, want, stop in zip(outs, expected, stops):
+            assert out.error is None, out.error
+            assert out.generated_tokens == want, f"async={use_async}"
+            assert out.finish_reason == ("stop" if want[-1] == stop else "length")
 
 
 def test_async_cancel_in_flight(llama_model):
@@ -360,7 +492,7 @@ def test_a_failing_kernel_fails_only_its_step(llama_model):
     manager = ContinuousBatchingManager(llama_model, gc, config)
     manager.start()
     try:
-        kernels = manager._flat.kernels
+        kernels = manager.core.runner.backend
         calls = {"n": 0}
 
         def flaky(*args):
@@ -369,7 +501,7 @@ def test_a_failing_kernel_fails_only_its_step(llama_model):
                 raise RuntimeError("injected kernel fault")
             return kernels.decode(*args)
 
-        manager._flat.kernels = dataclasses.replace(kernels, decode=flaky)
+        manager.core.runner.backend = dataclasses.replace(kernels, decode=flaky)
         first = [manager.get_result(rid, timeout=60) for rid in manager.add_requests(random_prompts(3, 4, 9, seed=48))]
         later = random_prompts(3, 4, 9, seed=49)
         again = [manager.get_result(rid, timeout=60) for rid in manager.add_requests(later)]
@@ -410,20 +542,24 @@ def test_stream_ordering(llama_model):
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
-def test_triton_kernels_in_the_engine(llama_model, fast_path):
+def test_triton_kernels_in_the_engine(llama_model, fast_path, no_host_reads_in_graphs):
     """Our Triton kernels (in the interpreter here, compiled on a GPU) drive the engine:
     varlen steps, decode steps on the fast path or the varlen kernel, padding to graph
-    buckets (with the fast path) or exact shapes, and carry-over."""
+    buckets (with the fast path) or exact shapes, and carry-over. Graphs are captured with
+    host reads forbidden, as a CUDA graph forbids them."""
     pytest.importorskip("triton")
     prompts = random_prompts(4, 1, 20, seed=47)
     config = ContinuousBatchingConfig(
         block_size=4, max_batch_tokens=24, attention_backend="triton", use_async_batching=True,
         q_padding_interval_size=8, decode_fast_path=fast_path,
     )
-    outs, stats = _flat_run(llama_model, prompts, 5, config, graphs=fast_path)
+    outs, stats = _flat_run(llama_model, prompts, 5, config, graphs=fast_path, capture=strict_capture)
     for prompt, out in zip(prompts, outs):
+        assert out.error is None, out.error
         assert out.generated_tokens == reference_generate(llama_model, prompt, 5)
     assert stats["decode_only_steps"] > 0
+    if fast_path:
+        assert stats["graph_captures"] > 0 and stats["graph_replays"] > 0
 
 
 def test_flash_backend_wiring_with_a_stand_in(llama_model, monkeypatch):

@@ -315,3 +315,34 @@ def test_streaming_never_splits_a_utf8_character(default_model):
     assert "".join(c.delta_text for c in chunks) == chunks[-1].text
     assert chunks[-1].text == tok.decode(chunks[-1].generated_tokens, skip_special_tokens=True)
     assert chunks[-1].status == RequestStatus.FINISHED
+
+
+@pytest.mark.parametrize(
+    "params, warpers",
+    [
+        (dict(temperature=0.7), [TemperatureLogitsWarper(0.7)]),
+        (dict(temperature=1.3, top_k=12), [TemperatureLogitsWarper(1.3), TopKLogitsWarper(12)]),
+        (dict(temperature=0.9, top_p=0.8), [TemperatureLogitsWarper(0.9), TopPLogitsWarper(0.8)]),
+    ],
+)
+def test_sampled_logprobs_are_log_softmax_of_processed_logits(llama_model, params, warpers):
+    """Under temperature, top-k and top-p, each logprob is the log-softmax of the logits the
+    token was drawn from, processed as transformers' warpers do: masked tokens never appear,
+    and the chosen token was a candidate."""
+    prompt = random_prompts(1, 7, 7, seed=56)[0]
+    sp = SamplingParams(**params, seed=5, logprobs=True, top_logprobs=5, max_new_tokens=8)
+    out = generate_batch(llama_model, [prompt], GREEDY, progress_bar=False, sampling_params=sp)["req_0"]
+    seq = torch.tensor([prompt + out.generated_tokens])
+    with torch.inference_mode():
+        logits = llama_model(seq).logits[0].float()
+    assert len(out.logprobs) == len(out.top_logprobs) == 8
+    for i, token in enumerate(out.generated_tokens):
+        row = logits[len(prompt) - 1 + i][None].clone()
+        for warper in warpers:
+            row = warper(seq[:, : len(prompt) + i], row)
+        ref = torch.log_softmax(row[0], dim=-1)
+        assert math.isfinite(out.logprobs[i]) and abs(out.logprobs[i] - float(ref[token])) < 1e-4
+        top = ref.topk(5)
+        finite = [(t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if math.isfinite(v)]
+        assert list(out.top_logprobs[i]) == [t for t, _ in finite]
+        assert all(abs(out.top_logprobs[i][t] - v) < 1e-4 for t, v in finite)

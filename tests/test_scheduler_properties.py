@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from contbatch.cache.block_manager import BlockManager, blocks_for
+from contbatch.cache.offload import HostKVTier
 from contbatch.requests import RequestState, RequestStatus
 from contbatch.scheduling.scheduler import (
     SCHEDULER_MAPPING,
@@ -111,6 +112,7 @@ class SimResult:
     soft_resets: int
     scheduler: Scheduler
     plans: list[StepPlan] = field(default_factory=list)
+    victims: list[tuple[str, str]] = field(default_factory=list)  # (requester, victim), as they fell
 
 
 def min_blocks(specs: list[ReqSpec], block_size: int) -> int:
@@ -178,13 +180,68 @@ class _Tags:
         return chain
 
 
+def watch_victims(sched: Scheduler) -> list[tuple[str, str]]:
+    """Check the README's victim rules at the moment each victim falls, and log (requester,
+    victim). Under KV pressure a running request that cannot get its next blocks evicts
+    - only when it really lacks blocks (only as many victims as needed: one at a time, each
+      while the requester's allocation still fails),
+    - the newest running requests not yet scheduled in this step, newer than itself, newest
+      first (an older request is never evicted for a newer one),
+    - itself only when no such newer request is left,
+    - and never the last running request."""
+    bm = sched.block_manager
+    grow, preempt = sched._grow_running, sched._preempt
+    current: list[tuple] = []
+    log: list[tuple[str, str]] = []
+
+    def grow_running(state, want, scheduled, plan):
+        current.append((state, want, scheduled))
+        try:
+            return grow(state, want, scheduled, plan)
+        finally:
+            current.pop()
+
+    def preempt_checked(victim, plan):
+        assert current, f"{victim.request_id} preempted outside a running request's growth"
+        requester, want, scheduled = current[-1]
+        running = list(sched.running.values())
+        assert victim.request_id in sched.running and len(running) > 1, (
+            f"{victim.request_id} preempted as the last running request"
+        )
+        target = requester.num_computed_tokens + want
+        assert bm.blocks_missing(requester.request_id, target) > bm.num_free_blocks, (
+            f"{victim.request_id} evicted though {requester.request_id} had the blocks it needed"
+        )
+        newer = [s for s in running if s.arrival > requester.arrival and s.request_id not in scheduled]
+        if victim is requester:
+            assert not newer, (
+                f"{requester.request_id} preempted itself while newer unscheduled work runs: "
+                f"{[s.request_id for s in newer]}"
+            )
+        else:
+            assert victim.arrival > requester.arrival, (
+                f"older {victim.request_id} (arrival {victim.arrival}) evicted for newer {requester.request_id} "
+                f"(arrival {requester.arrival})"
+            )
+            assert victim.request_id not in scheduled, f"{victim.request_id} evicted after being scheduled"
+            newest = max(newer, key=lambda s: s.arrival)
+            assert victim is newest, f"evicted {victim.request_id}, not the newest candidate {newest.request_id}"
+        log.append((requester.request_id, victim.request_id))
+        return preempt(victim, plan)
+
+    sched._grow_running = grow_running
+    sched._preempt = preempt_checked
+    return log
+
+
 def simulate(
     specs: list[ReqSpec], cfg: Config, *, check: bool = True, keep_plans: bool = False, extra_check=None
 ) -> SimResult:
     bm = BlockManager(cfg.num_blocks, cfg.block_size, cfg.prefix_sharing, cfg.eviction)
     sched = SCHEDULER_MAPPING[cfg.scheduler](
-        bm, cfg.max_batch_tokens, cfg.max_requests_per_batch, cfg.safety_margin, cfg.offload_blocks
+        bm, cfg.max_batch_tokens, cfg.max_requests_per_batch, cfg.safety_margin, HostKVTier(None, cfg.offload_blocks)
     )
+    victims = watch_victims(sched) if check else []
     bs = cfg.block_size
     order = sorted(range(len(specs)), key=lambda i: (specs[i].arrive_at, i))
     states = [
@@ -275,11 +332,16 @@ def simulate(
         for s, tok in zip(sampled, tokens):
             s.append_token(tok)
             if s.status.is_done:
-                sched.finish(s)
+                sched.remove(s.request_id)
                 finished.add(s.request_id)
 
         if check:
             _check_state(sched, cfg, added, finished)
+            fallen = {s.request_id for s in plan.preempted} | {o.state.request_id for o in plan.offloaded}
+            logged = {v for _, v in victims[len(victims) - len(fallen):]} if fallen else set()
+            assert fallen == logged, f"victims {fallen} were not all chosen by the rules: {logged}"
+            if fallen:
+                assert sched.running or finished_now(plan), "the step preempted every running request"
         if extra_check is not None:
             extra_check(sched, plan)
         step += 1
@@ -289,7 +351,12 @@ def simulate(
         assert engine_steps <= bound, f"no termination within {bound} steps (livelock?)"
 
     assert not host, f"offloaded KV never restored: {list(host)}"
-    return SimResult(states, engine_steps, sched.soft_resets, sched, plans)
+    return SimResult(states, engine_steps, sched.soft_resets, sched, plans, victims)
+
+
+def finished_now(plan: StepPlan) -> bool:
+    """Some request of the step ended with it (then the running set may be empty)."""
+    return any(c.state.status.is_done for c in plan.chunks)
 
 
 def _check_plan(plan, sched, cfg, running_before, waiting_before, tables_before, finished) -> None:
@@ -319,7 +386,7 @@ def _check_plan(plan, sched, cfg, running_before, waiting_before, tables_before,
     for rid in victim_ids:
         assert rid in running_before, "only running requests get preempted"
     for s in plan.preempted:
-        assert s.request_id not in sched._offloaded
+        assert not sched.host.holds(s.request_id)
     if not cfg.offload_blocks:
         assert not plan.offloaded and not plan.restored
 
@@ -380,11 +447,11 @@ def _check_state(sched, cfg, added, finished) -> None:
     )
     for s in sched.waiting:
         assert not bm.table(s.request_id), "waiting request holds blocks"
-        assert s.status == RequestStatus.PENDING
-        if s.request_id not in sched._offloaded:
+        assert s.status in (RequestStatus.PENDING, RequestStatus.PREEMPTED)
+        if not sched.host.holds(s.request_id):
             assert s.num_computed_tokens == 0, "waiting request claims KV it does not have"
-    assert set(sched._offloaded) <= set(waiting_ids)
-    assert sched.offloaded_blocks == sum(sched._offloaded.values()) <= cfg.offload_blocks
+    assert set(sched.host.reserved) <= set(waiting_ids)
+    assert sched.host.used_blocks == sum(sched.host.reserved.values()) <= cfg.offload_blocks
     for rid in bm.block_tables:
         assert rid in sched.running or not bm.block_tables[rid], f"{rid} holds blocks but is not running"
     for s in sched.running.values():
@@ -410,7 +477,7 @@ def check_final(specs: list[ReqSpec], cfg: Config, res: SimResult) -> None:
     assert not sched.waiting and not sched.running
     assert bm.num_free_blocks == bm.num_blocks
     assert not any(bm.block_tables.values())
-    assert sched.offloaded_blocks == 0 and not sched._offloaded
+    assert sched.host.used_blocks == 0 and not sched.host.reserved
     _check_blocks(bm, cfg.prefix_sharing)
 
 
@@ -479,6 +546,7 @@ def test_random_workloads_keep_every_invariant(sc):
     res = simulate(specs, cfg)
     check_final(specs, cfg, res)
     event(f"soft resets: {'yes' if res.soft_resets else 'no'}")
+    event(f"victims: {'yes' if res.victims else 'no'}")
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -522,6 +590,7 @@ def test_soft_resets_happen_and_tokens_survive():
         res = simulate(specs, cfg)
         assert res.soft_resets > 0
         assert sum(s.soft_resets for s in res.states) == res.soft_resets
+        assert len(res.victims) == res.soft_resets  # each checked against the victim rules as it fell
         check_final(specs, cfg, res)
 
 
@@ -550,7 +619,7 @@ def _apply(sched: Scheduler, plan: StepPlan) -> None:
     for s in sampled:
         s.append_token(next_token(s.all_token_ids))
         if s.status.is_done:
-            sched.finish(s)
+            sched.remove(s.request_id)
 
 
 def _ids(plan: StepPlan):
@@ -788,3 +857,24 @@ def test_waiting_queue_stays_in_arrival_order_regression():
     res = simulate(specs, cfg)
     check_final(specs, cfg, res)
     assert res.soft_resets > 0
+
+
+def test_victims_are_the_newest_and_only_as_many_as_needed():
+    """Four requests of two blocks fill the cache, and each needs a third to decode. a (the
+    oldest) evicts the newest, d, and no more: d's two blocks serve a and b. c then finds
+    nobody newer left to evict (d is gone) and steps aside itself, which is allowed since it
+    is not the last running; it re-enters from the queue ahead of d (chunked recompute)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = FIFOScheduler(bm, max_batch_tokens=64, max_requests_per_batch=8)
+    log = watch_victims(sched)
+    reqs = [RequestState(rid, [1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=10, arrival=i) for i, rid in enumerate("abcd")]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert _ids(plan) == [(r, 8) for r in "abcd"] and bm.num_free_blocks == 0
+    _apply(sched, plan)  # 9 tokens each: the next step needs a third block for every one
+    plan = sched.schedule()
+    assert log == [("a", "d"), ("c", "c")]
+    assert [s.request_id for s in plan.preempted] == ["d", "c"]
+    assert _ids(plan) == [("a", 1), ("b", 1), ("c", 8)]
+    assert [s.request_id for s in sched.waiting] == ["d"]

@@ -2,7 +2,7 @@
 
 Most tests run against a tiny random-weight Llama saved with the default model's tokenizer
 (fast, and a real tokenizer with a chat template); greedy output is checked against
-`generate_batch` on a second copy of the same weights. One test runs `contbatch serve` with no
+`model.generate` on a second copy of the same weights. One test runs `contbatch serve` with no
 arguments but a port on the embedded default model; one sends SIGTERM to a server process.
 """
 
@@ -30,10 +30,12 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, generate_batch, load_model
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
 from contbatch.server import ServerSettings, build_app
 from contbatch.server.draining import DrainingServer
 from contbatch.server.schemas import ChatCompletionRequest, CompletionRequest
+
+from conftest import reference_generate
 
 MODEL = "tiny"
 CONTEXT = 1024
@@ -71,7 +73,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    """A second copy of the tiny model, for `generate_batch` ground truth."""
+    """A second copy of the tiny model, for `model.generate` ground truth."""
     return load_model(tiny_dir)
 
 
@@ -147,11 +149,11 @@ def guarded(tiny_dir):
 
 
 def reference_texts(reference, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Ground truth from `model.generate` itself (not our engine): greedy, no EOS stop (the
+    tests send `ignore_eos`), decoded as the server builds its text (the request's
+    `skip_special_tokens`, True by default)."""
     model, tok = reference
-    params = SamplingParams(temperature=0, max_new_tokens=max_tokens, ignore_eos=True)
-    out = generate_batch(model, prompts, None, ContinuousBatchingConfig(block_size=BLOCK), progress_bar=False,
-                         sampling_params=params, tokenizer=tok)
-    return [out[f"req_{i}"].text for i in range(len(prompts))]
+    return [tok.decode(reference_generate(model, p, max_tokens), skip_special_tokens=True) for p in prompts]
 
 
 def chat_ids(tok, content: str) -> list[int]:
@@ -192,7 +194,7 @@ def test_tokenize_detokenize_roundtrip(live):
 
 
 # -- generation -----------------------------------------------------------------------------
-def test_completions_greedy_match_generate_batch_with_usage(live, reference):
+def test_completions_greedy_match_generate_with_usage(live, reference):
     tok = live.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     expected = reference_texts(reference, ids, 12)
@@ -338,8 +340,7 @@ def test_sampling_parameters_are_honoured(live, reference):
                                        extra_body={"ignore_eos": True}, **GREEDY)
     first = greedy.choices[0].logprobs.tokens[0]
     model, tok = reference
-    first_id = generate_batch(model, [tok.encode(PROMPTS[2])], None, progress_bar=False,
-                              sampling_params=SamplingParams(temperature=0, max_new_tokens=1))["req_0"].generated_tokens[0]
+    first_id = reference_generate(model, tok.encode(PROMPTS[2]), 1)[0]
     assert tok.decode([first_id]) == first
     # logit_bias -100 on the greedy token: it can no longer be chosen.
     banned = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=1, logprobs=1,
@@ -695,13 +696,21 @@ def test_sigterm_drains_in_flight_and_exits_zero(tiny_dir):
             proc.kill()
 
 
-def test_default_model_no_arguments_greedy_matches_generate_batch(default_model):
+def test_default_model_no_arguments_greedy_matches_generate(default_model):
+    """`contbatch serve` with no arguments: greedy text equals `model.generate`'s tokens (with
+    the model's own EOS, as the server stops on it), decoded without special tokens."""
     model, tok = default_model
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
     prompts = [chat_ids(tok, q) for q in questions]
-    params = SamplingParams(temperature=0, max_new_tokens=24)
-    ref = generate_batch(model, prompts, None, progress_bar=False, sampling_params=params, tokenizer=tok)
-    expected = [ref[f"req_{i}"] for i in range(len(prompts))]
+    eos = model.generation_config.eos_token_id
+    tokens = [reference_generate(model, p, 24, eos) for p in prompts]
+
+    @dataclass
+    class Expected:
+        generated_tokens: list[int]
+        text: str
+
+    expected = [Expected(t, tok.decode(t, skip_special_tokens=True)) for t in tokens]
     port = _free_port()
     proc = _spawn([], port, timeout=300)
     try:
@@ -718,3 +727,18 @@ def test_default_model_no_arguments_greedy_matches_generate_batch(default_model)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+def _documented_text() -> str:
+    root = Path(__file__).resolve().parent.parent
+    return "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+
+
+def test_every_metric_name_is_documented(live):
+    """Every metric family `/metrics` serves is named in README.md or docs/*.md."""
+    text = httpx.get(live.url + "/metrics").text
+    names = sorted({line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")})
+    assert len(names) >= 20 and all(n.startswith("contbatch:") for n in names), names
+    docs = _documented_text()
+    missing = [n for n in names if n not in docs]
+    assert not missing, f"undocumented metrics: {missing}"

@@ -104,7 +104,13 @@ def choose_backend(
         why = "no GPU" if not cuda else f"the {c.name} backend syncs with the host inside the forward"
         c.warnings.append(f"use_cuda_graph=True cannot run: {why}; steps run eagerly")
 
-    c.use_async_batching = c.use_cuda_graph if use_async_batching is None else use_async_batching
-    if c.use_async_batching and not cuda:
+    # The torch backend plans each step on the host from the step's own inputs: with nothing
+    # to overlap it with, async batching would only add the carry-over's work.
+    async_ok = c.name in KERNEL_BACKENDS
+    c.use_async_batching = c.use_cuda_graph if use_async_batching is None else (use_async_batching and async_ok)
+    if use_async_batching and not async_ok:
+        c.warnings.append(f"use_async_batching=True needs a kernel backend {KERNEL_BACKENDS}, not {c.name}; "
+                          "steps run one after another")
+    elif c.use_async_batching and not cuda:
         c.notes.append("async batching on the CPU keeps its carry-over pipeline but overlaps nothing")
     return c

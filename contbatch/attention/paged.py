@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import ops  # noqa: F401  (registers torch.ops.contbatch.paged_attention)
 from .metadata import StepMetadata
 
 ATTENTION_NAME = "contbatch_paged"
@@ -37,7 +38,7 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    step_metadata: StepMetadata | None = None,
+    step_metadata: StepMetadata | str | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query: [1, H, T, D]; key/value: [1, H_kv, T, D]; returns ([1, T, H, D], None)."""
@@ -48,6 +49,11 @@ def paged_attention_forward(
         )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("contbatch paged attention does not support attention sinks (s_aux) yet")
+    if step_metadata is ops.COMPILED_STEP:  # a compiled step: one opaque op; the step is in `current_step`
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        window = -1 if sliding_window is None else sliding_window
+        return torch.ops.contbatch.paged_attention(query, key, value, module.layer_idx, scaling, window,
+                                                   softcap or 0.0), None
     meta = step_metadata
     layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

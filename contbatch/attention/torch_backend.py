@@ -64,6 +64,7 @@ class DecodeGroup:
 class TorchStep:
     decode_groups: list[DecodeGroup]
     prefill_rows: list[PrefillRow]
+    num_tokens: int  # tokens of real requests; rows past it are padding (compiled steps)
 
 
 def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
@@ -110,12 +111,14 @@ class TorchBackend:
         rows = []
         for i in range(num_decode, len(q_lens)):
             q_len, kv_len = int(q_lens[i]), int(kv_lens[i])
+            if q_len == 0:  # a padding request (a compiled step's bucket): nothing to attend
+                continue
             kv_index = None
             if kv_len > q_len:
                 key_pos = torch.arange(kv_len)
                 kv_index = cache.gather_index(table[i, key_pos // bs] * bs + key_pos % bs).to(device)
             rows.append(PrefillRow(int(cu_q[i]), q_len, kv_len, kv_index))
-        return TorchStep(groups, rows)
+        return TorchStep(groups, rows, int(cu_q[-1]))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
                scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
@@ -123,6 +126,8 @@ class TorchBackend:
         step: TorchStep = meta.prepared
         _, num_heads, total, head_dim = query.shape
         out = query.new_empty(total, num_heads, head_dim)
+        if step.num_tokens < total:
+            out[step.num_tokens :] = 0  # padding tokens belong to no request: keep them finite
         for group in step.decode_groups:
             rows = slice(group.row_start, group.row_start + group.num_rows)
             out[rows] = _decode(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap)

@@ -53,6 +53,11 @@ class Bucketing:
     fast_decode: bool = True  # decode-only steps take the decode kernel (else the varlen one)
     graph_max_tokens: int = 1 << 62  # varlen steps padded past this run eagerly, unpadded
 
+    def count(self, max_tokens: int) -> int:
+        """How many padded shapes there are: decode buckets, then varlen token buckets."""
+        decode = max(1, self.max_requests).bit_length() + 1
+        return decode + -(-max_tokens // self.q_interval)
+
     def graphable(self, batch: StepBatch) -> bool:
         return batch.decode_only or round_up(batch.num_tokens, self.q_interval) <= self.graph_max_tokens
 

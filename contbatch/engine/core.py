@@ -26,7 +26,9 @@ from ..cache.paged_cache import KVLayout, PagedAttentionCache
 from ..config import ResolvedConfig
 from ..requests import RequestState, RequestStatus
 from ..scheduling.scheduler import SCHEDULER_MAPPING, StepPlan
+from ..models import cache_dir
 from .buckets import Bucketing
+from .compile import allow_recompiles, compiled_forward, use_compile_cache
 from .graphs import GraphCache, capture_cuda_graph
 from .step_batch import build_step_batch
 from .step_runner import InFlight, StepRunner
@@ -57,8 +59,13 @@ class EngineCore:
         graphs = None
         if r.use_cuda_graph:
             graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
+        compiled = {path: compiled_forward(model, choice) if choice else None
+                    for path, choice in (("decode", r.decode_compile), ("varlen", r.varlen_compile))}
+        if any(compiled.values()):
+            use_compile_cache(str(cache_dir() / "inductor"))
+            allow_recompiles(bucketing.count(r.max_batch_tokens) + 8)
         self.runner = StepRunner(model, self.cache, backend, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
-                                 num_slots=2 if r.use_async_batching else 1, graphs=graphs)
+                                 num_slots=2 if r.use_async_batching else 1, graphs=graphs, compiled=compiled)
         self.async_batching = r.use_async_batching
         self.inflight: InFlight | None = None  # async: the step whose tokens are not applied yet
         self.steps = 0
@@ -223,6 +230,8 @@ class EngineCore:
             "gpu_decode_seconds": self.runner.decode_seconds,
             "graph_captures": graphs.captures if graphs else 0,
             "graph_replays": graphs.replays if graphs else 0,
+            "compiles": self.runner.compiles,
+            "graph_breaks": self.runner.graph_breaks,
         }
 
 

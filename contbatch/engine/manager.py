@@ -9,13 +9,16 @@ thread-safe structures: an inbox queue for commands (add, cancel, wake) and the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
 from ..cache.paged_cache import PagedAttentionCache
@@ -60,6 +63,7 @@ class ContinuousBatchingManager:
         self._accepting = False
         self._stop_mode: str | None = None  # None, "graceful", "hard"
         self._saved_attn: str | None = None
+        self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
 
     @property
     def cache(self) -> PagedAttentionCache | None:
@@ -70,7 +74,10 @@ class ContinuousBatchingManager:
         return self.core.scheduler if self.core else None
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, *, wait_warm: bool = True) -> None:
+        """Start the engine thread. With compiled steps it first warms them up (compiles the
+        decode and varlen paths on a few internal requests): `wait_warm=False` returns at once
+        and `is_warm()` tells when that is done (the server answers 503 until then)."""
         if self.core is None:
             raise RuntimeError("this manager was destroyed; create a new one")
         if self.is_running():
@@ -88,6 +95,51 @@ class ContinuousBatchingManager:
         release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="contbatch-engine", daemon=True)
         self._thread.start()
+        self._warm.clear()
+        if r.decode_compile is None and r.varlen_compile is None:
+            self._warm.set()
+        elif wait_warm:
+            self._warm_up()
+        else:
+            threading.Thread(target=self._warm_up, name="contbatch-warmup", daemon=True).start()
+
+    def _compile_failed(self, error: str) -> None:
+        """A compiled step that cannot run here (no C++ compiler, an unsupported op) must not
+        fail every request: say so loudly, in the log and in `resolved_config`, and run eager."""
+        message = f"compiled steps failed to run ({error}); running eager instead"
+        logger.error("contbatch: %s", message)
+        self.core.runner.compiled = {}
+        self.resolved_config = dataclasses.replace(
+            self.resolved_config, decode_compile=None, varlen_compile=None,
+            warnings=self.resolved_config.warnings + (message,),
+        )
+
+    def is_warm(self) -> bool:
+        return self._warm.is_set()
+
+    def _warm_up(self) -> None:
+        """Compile before the first real request pays for it: a varlen step of two prompt
+        chunks, decode steps of two rows and of one (Dynamo specializes sizes 0 and 1)."""
+        t0 = time.perf_counter()
+        vocab = self.model.get_input_embeddings().num_embeddings
+        length = max(2, min(self.resolved_config.q_padding_interval_size + 6, self.resolved_config.max_context - 4))
+        prompt = [3 + i % max(1, vocab - 3) for i in range(length)]
+        rounds = [[prompt, prompt[::-1]], [prompt[:1]]]
+        try:
+            with tqdm(total=len(rounds), desc="contbatch: compiling steps", unit="phase") as bar:
+                for i, prompts in enumerate(rounds):
+                    ids = self.add_requests(prompts, max_new_tokens=3 - i,
+                                            request_ids=[f"contbatch-warmup-{i}-{j}" for j in range(len(prompts))])
+                    failed = [out.error for out in map(self.get_result, ids) if out.status != RequestStatus.FINISHED]
+                    if failed:
+                        self._compile_failed(failed[0])
+                        break
+                    bar.update(1)
+        except RuntimeError:  # stopped while warming: nothing to warm any more
+            return
+        logger.info("contbatch: compiled steps warmed up in %.1f s (%d compiles)", time.perf_counter() - t0,
+                    self.core.runner.compiles)
+        self._warm.set()
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
         """Graceful: finish everything submitted. Hard: fail what is not finished.

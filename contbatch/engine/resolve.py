@@ -9,6 +9,7 @@ import torch
 from ..attention.backend import choose_backend
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
+from .compile import resolve_compile
 from ..config import (
     DEFAULT_CPU_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -39,14 +40,15 @@ def sliding_window_layers(model: torch.nn.Module) -> int:
     return 0
 
 
-def offload_blocks(cfg: ContinuousBatchingConfig, bytes_per_block: int) -> tuple[int, float]:
-    """Host blocks for the offload tier: the requested GiB, clamped to a share of free RAM."""
+def offload_blocks(cfg: ContinuousBatchingConfig, bytes_per_block: int) -> tuple[int, float, bool]:
+    """Host blocks for the offload tier: the requested GiB, clamped to a share of free RAM;
+    and whether it was clamped (rounding down to whole blocks is not a clamp)."""
     if cfg.cpu_offload_space <= 0:
-        return 0, 0.0
+        return 0, 0.0, False
     wanted = cfg.cpu_offload_space * 2**30
     cap = cfg.cpu_offload_space_safety_threshold * psutil.virtual_memory().available
     blocks = int(min(wanted, cap) // bytes_per_block)
-    return blocks, blocks * bytes_per_block / 2**30
+    return blocks, blocks * bytes_per_block / 2**30, cap < wanted
 
 
 def hinted_request_tokens(cfg: ContinuousBatchingConfig) -> int | None:
@@ -106,8 +108,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
             f"{windowed} sliding-window layers keep their full KV, so prefix sharing and the batched decode "
             "path stay exact (no memory is saved on those layers)"
         )
-    host_blocks, host_gib = offload_blocks(cfg, layout.bytes_per_block(bs))
-    if cfg.cpu_offload_space > 0 and host_gib < cfg.cpu_offload_space:
+    compiled, compile_notes, compile_warnings = resolve_compile(
+        cfg.default_compile_level, cfg.decode_compile_config, cfg.varlen_compile_config, device.type
+    )
+    notes += compile_notes
+    host_blocks, host_gib, clamped = offload_blocks(cfg, layout.bytes_per_block(bs))
+    if clamped:
         notes.append(f"cpu_offload_space clamped from {cfg.cpu_offload_space} to {host_gib:.2f} GiB of available RAM")
     resolved = ResolvedConfig(
         device=str(device),
@@ -132,7 +138,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         cpu_offload_gib=round(host_gib, 3),
         sliding_window_layers=windowed,
         notes=tuple(notes),
-        warnings=tuple(backend.warnings),
+        warnings=tuple(backend.warnings + compile_warnings),
         kv_layout=backend.kv_layout,
         use_cuda_graph=backend.use_cuda_graph,
         use_async_batching=backend.use_async_batching,
@@ -140,6 +146,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         kv_padding_interval_size=cfg.kv_padding_interval_size,
         max_cached_graphs=cfg.max_cached_graphs,
         cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
+        compile_level=cfg.default_compile_level,
+        decode_compile=compiled["decode"],
+        varlen_compile=compiled["varlen"],
     )
     return resolved, layout
 
@@ -163,6 +172,9 @@ def describe(resolved: ResolvedConfig) -> str:
             if resolved.use_cuda_graph
             else ""
         )
+        + f"compile: level {resolved.compile_level}, decode "
+        f"{resolved.decode_compile.describe() if resolved.decode_compile else 'eager'}, varlen "
+        f"{resolved.varlen_compile.describe() if resolved.varlen_compile else 'eager'} "
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "

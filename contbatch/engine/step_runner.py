@@ -15,6 +15,7 @@ streams are no-ops and everything runs in call order: the same code, exercised b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -22,11 +23,13 @@ import torch
 
 from ..attention.kernels import AttentionBackend
 from ..attention.metadata import StepMetadata
+from ..attention.ops import current_step
 from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache
 from ..faults import inject
 from ..sampling.sampler import SampleResult, Sampler
 from .buckets import Bucketing, StepShape, pad_batch, round_up
+from .compile import compile_counters
 from .step_batch import StepBatch, apply_carry
 from .graphs import GraphCache
 
@@ -129,6 +132,7 @@ class StepRunner:
         num_slots: int,
         graphs: GraphCache | None,
         sampler: Sampler | None = None,
+        compiled: dict[str, Callable[..., torch.Tensor] | None] | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -145,6 +149,9 @@ class StepRunner:
         self._next_slot = 0
         self.busy_seconds = 0.0  # device time of forwards and sampling (CUDA events)
         self.decode_seconds = 0.0
+        self.compiled = compiled or {}  # "decode" / "varlen" -> the compiled forward of that path
+        self.compiles = 0  # graphs Dynamo compiled for our steps, and breaks it met in them
+        self.graph_breaks = 0
 
     def _slot(self, index: int) -> IOSlot:
         t, b, w = self.max_tokens, self.max_requests, self.table_width
@@ -160,9 +167,12 @@ class StepRunner:
 
     # -- launch --------------------------------------------------------------------------
     def shape_of(self, batch: StepBatch) -> tuple[StepShape, bool]:
-        """The step's shape, and whether it runs as a graph (padded to a bucket)."""
+        """The step's shape, and whether it runs as a graph. Graphs and compiled steps are
+        padded to a bucket: each shape is a capture, or a compile."""
         if self.graphs is not None and self.bucketing.graphable(batch):
             return self.bucketing.padded(batch), True
+        if self.compiled.get(_path(batch.decode_only)) is not None:
+            return self.bucketing.padded(batch), False
         return self.bucketing.exact(batch), False
 
     @torch.inference_mode()
@@ -225,7 +235,11 @@ class StepRunner:
 
         inject("forward")
 
+        compiled = self.compiled.get(_path(shape.decode_only))
+
         def run() -> torch.Tensor:
+            if compiled is not None:
+                return self._run_compiled(compiled, meta, views)
             out = self.model(
                 input_ids=views["input_ids"][None],
                 position_ids=views["positions"][None],
@@ -243,6 +257,16 @@ class StepRunner:
         if logits is None:
             logits = run()  # this step's result; it also warms up what the capture records
             self.graphs.add(key, run)
+        return logits
+
+    def _run_compiled(self, fn: Callable[..., torch.Tensor], meta: StepMetadata,
+                      views: dict[str, torch.Tensor]) -> torch.Tensor:
+        graphs, breaks = compile_counters()
+        with current_step(meta):
+            logits = fn(views["input_ids"], views["positions"], views["logits_indices"])
+        graphs_after, breaks_after = compile_counters()
+        self.compiles += graphs_after - graphs
+        self.graph_breaks += breaks_after - breaks
         return logits
 
     # -- sample and read back ------------------------------------------------------------
@@ -271,6 +295,10 @@ class StepRunner:
         if step.shape.decode_only:
             self.decode_seconds += busy
         return step.result
+
+
+def _path(decode_only: bool) -> str:
+    return "decode" if decode_only else "varlen"
 
 
 def _extras(result: SampleResult) -> tuple:

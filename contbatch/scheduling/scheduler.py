@@ -78,7 +78,7 @@ class Scheduler:
         # computed right now by another request waits for it instead of computing it again.
         self.hold_shared_prefixes = hold_shared_prefixes and block_manager.enable_prefix_sharing
         self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes
-        self.held_for_prefix = 0  # request-steps spent waiting for a prefix in progress
+        self.held_for_prefix = 0  # steps whose admissions stopped at a request waiting for its prefix
 
     # -- bookkeeping -------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -168,8 +168,8 @@ class Scheduler:
             restoring = self.host.holds(state.request_id)
             fresh = not restoring and state.num_computed_tokens == 0
             if fresh and in_progress is not None and self._prefix_in_progress(state, in_progress):
-                self.held_for_prefix += 1
-                continue
+                self.held_for_prefix += 1  # waits for its prefix; FIFO: nobody overtakes it
+                break
             if fresh:
                 state.num_computed_tokens = bm.match_prefix(state.request_id, state.all_token_ids)
             room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens

@@ -36,7 +36,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     vocab = manager.model.get_input_embeddings().num_embeddings
     limits = Limits.build(resolved, settings.max_model_len, vocab, manager.defaults.generation_config)
     body_limit = settings.body_limit(limits.max_model_len)
-    state = ServerState()
+    state = ServerState(warm=manager.is_warm)
     metrics = ServerMetrics(manager.stats, resolved.num_blocks, settings.model_name, lambda: state.inflight)
     engine = AsyncEngine(manager, metrics)
     writer = ResponseWriter(engine, tokenizer, lambda: state.draining)
@@ -46,8 +46,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        if not manager.is_running():
-            await asyncio.to_thread(manager.start)
+        if not manager.is_running():  # compiled steps warm up behind it: /health says so meanwhile
+            await asyncio.to_thread(manager.start, wait_warm=False)
         yield
         # Reached once the server has drained (or given up on draining): fail what is left.
         pool.close()
@@ -78,6 +78,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     async def health() -> Response:
         if not manager.is_running():
             raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if not manager.is_warm():
+            raise APIError(503, "the engine is warming up (compiling its steps)", code="engine_warming")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -26,6 +27,7 @@ class ServerState:
     inflight: int = 0
     draining: bool = False
     drain_started: float | None = None
+    warm: Callable[[], bool] = lambda: True  # the engine's compiled steps are ready
 
     def begin_drain(self) -> None:
         """Stop accepting: from now on every new request gets 503; those in flight go on."""
@@ -52,6 +54,10 @@ class Gate:
         if self.api_keys and path not in UNAUTHENTICATED_PATHS and not self._authorized(scope):
             await _reply(send, 401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return
+        if path not in UNCOUNTED_PATHS and not self.state.warm():
+            await _reply(send, 503, "the engine is compiling its steps and accepts requests once warm",
+                         "engine_warming", {"Retry-After": "5"})
             return
         counted = path not in UNCOUNTED_PATHS
         if counted:

@@ -1,0 +1,54 @@
+"""Paged attention as one opaque custom op, for compiled steps.
+
+`torch.compile` cannot trace the backends (host-side plans, Triton launches, the cache write
+by index): left in the graph they would break it in every layer. So a compiled forward calls
+`torch.ops.contbatch.paged_attention` instead, which Dynamo sees as one node per layer with a
+fake implementation for shapes. The step's `StepMetadata` cannot be an operator argument (it
+is not a tensor); the runner puts it in `current_step` for the duration of the compiled call,
+on the engine thread: the one place contbatch keeps step state outside the model's kwargs.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from .metadata import StepMetadata
+
+# The kwarg value a compiled forward passes instead of the metadata: a constant Dynamo guards
+# on by identity, telling paged attention to take the step from `current_step`.
+COMPILED_STEP = "contbatch-compiled-step"
+
+_local = threading.local()
+
+
+@contextmanager
+def current_step(meta: StepMetadata):
+    _local.meta = meta
+    try:
+        yield
+    finally:
+        _local.meta = None
+
+
+@torch.library.custom_op("contbatch::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                    sliding_window: int, softcap: float) -> torch.Tensor:
+    """Writes the layer's new K/V into the paged cache and attends (`sliding_window` -1 and
+    `softcap` 0 mean none); [1, H, T, D] queries -> [1, T, H, D]. The cache write is a side
+    effect on tensors the graph never sees; each layer touches only its own, and steps run in
+    order, so no reordering the compiler may do can observe it."""
+    meta: StepMetadata | None = getattr(_local, "meta", None)
+    if meta is None:
+        raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
+    meta.cache.write(layer, meta.write_slots, key[0], value[0])
+    window = None if sliding_window < 0 else sliding_window
+    cap = None if softcap == 0 else softcap
+    return meta.backend.attend(query, key, value, meta, layer, scaling, window, cap).contiguous()
+
+
+@paged_attention.register_fake
+def _(query, key, value, layer, scaling, sliding_window, softcap):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])

@@ -1,0 +1,120 @@
+"""Compile levels: which steps run through `torch.compile`, with what settings, and at what cost.
+
+The seed's levels: 0 none; 1 `default` mode with dynamic shapes; 2 `max-autotune-no-cudagraphs`
+with dynamic shapes; 3 the same with `dynamic=False` (one compile per padded step shape).
+`decode_compile_config` and `varlen_compile_config` (transformers' `CompileConfig`) override the
+level for decode-only steps and for every other step. What is compiled is the whole forward,
+embeddings to the sampled rows' logits, with paged attention as one opaque custom op per layer
+(`attention/ops.py`): no graph break. Compiled steps are padded to the graph buckets
+(`buckets.py`), so the number of compiles stays bounded; `stats()` counts them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import ops
+from ..attention.paged import ENGINE_MASK
+
+logger = logging.getLogger("contbatch")
+
+LEVELS: dict[int, dict | None] = {
+    0: None,
+    1: {"mode": "default", "dynamic": True},
+    2: {"mode": "max-autotune-no-cudagraphs", "dynamic": True},
+    3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
+}
+PATHS = ("decode", "varlen")
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    mode: str
+    dynamic: bool | None
+    backend: str = "inductor"
+    fullgraph: bool = True
+    options: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        extra = f" options={self.options}" if self.options else ""
+        return f"{self.backend}/{self.mode} dynamic={self.dynamic}{extra}"
+
+    def kwargs(self) -> dict:
+        kw = {"mode": self.mode, "dynamic": self.dynamic, "backend": self.backend, "fullgraph": self.fullgraph}
+        if self.options:  # torch.compile takes either a mode or options, not both
+            kw.pop("mode")
+            kw["options"] = dict(self.options)
+        return kw
+
+
+def resolve_compile(level: int, decode_config, varlen_config, device_type: str
+                    ) -> tuple[dict[str, CompileChoice | None], list[str], list[str]]:
+    """The compile choice of each path, with the notes and warnings to report."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    choices: dict[str, CompileChoice | None] = {}
+    for path, config in zip(PATHS, (decode_config, varlen_config)):
+        if config is None:
+            base = LEVELS[level]
+            choices[path] = CompileChoice(**base) if base else None
+            continue
+        mode = getattr(config, "mode", "default")
+        if device_type != "cuda" and mode == "reduce-overhead":
+            warnings.append(f"{path}_compile_config mode 'reduce-overhead' needs CUDA graphs; using 'default' here")
+            mode = "default"
+        choices[path] = CompileChoice(mode, getattr(config, "dynamic", None), getattr(config, "backend", "inductor"),
+                                      bool(getattr(config, "fullgraph", True)), dict(getattr(config, "options", None) or {}))
+    if device_type == "cpu" and any(c is not None and c.dynamic is False for c in choices.values()):
+        notes.append("dynamic=False compiles once per padded step shape: many minutes of start-up on a CPU")
+    return choices, notes, warnings
+
+
+def compiled_forward(model: torch.nn.Module, choice: CompileChoice) -> Callable[..., torch.Tensor]:
+    """The model's forward, from token ids to the logits of the sampled rows, compiled."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=ENGINE_MASK,
+                    logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
+        return out.logits[0]
+
+    return torch.compile(_own_code(forward), **choice.kwargs())
+
+
+_engines = itertools.count()
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. Dynamo keeps compiled versions per code object:
+    without this, every engine of the process (tests, a rollout loop making managers) would
+    pile its versions onto one code object and share one recompile limit."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_engines)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def allow_recompiles(count: int) -> None:
+    """Dynamo gives up on a function after `recompile_limit` versions and runs it eagerly,
+    with only a log line: raise the limit to the number of shapes the buckets allow."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < count:
+        setattr(config, name, count)
+        logger.info("contbatch: torch._dynamo.config.%s raised to %d (one compile per step bucket)", name, count)
+
+
+def use_compile_cache(directory: str) -> None:
+    """Keep Inductor's compiled artefacts under `directory` (in $CONTBATCH_CACHE), so that a
+    second start reuses them; a directory the user chose already is left alone."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", directory)
+
+
+def compile_counters() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process, from Dynamo's counters."""
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
