@@ -69,7 +69,7 @@ class ContinuousBatchingConfig:
     # torch.compile of the whole step: 0 none, 1 default + dynamic, 2 max-autotune-no-cudagraphs
     # + dynamic, 3 the same with dynamic=False. A transformers `CompileConfig` per path (decode-
     # only steps, every other step) overrides the level for that path.
-    default_compile_level: int = 0
+    default_compile_level: int | None = None  # None: 0, by measurement (see engine/compile.py)
     decode_compile_config: object | None = None
     varlen_compile_config: object | None = None
 
@@ -109,7 +109,7 @@ class ContinuousBatchingConfig:
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.default_compile_level not in (0, 1, 2, 3):
+        if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")

@@ -7,11 +7,13 @@ exactness at level 1 runs Inductor for real on tiny models.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from contbatch import ContinuousBatchingConfig, RequestStatus, continuous_batching
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -42,8 +44,6 @@ def test_compile_level_is_validated_and_reported(llama_model):
         ContinuousBatchingConfig(default_compile_level=4)
     config = ContinuousBatchingConfig(block_size=4, default_compile_level=2,
                                       varlen_compile_config=CompileConfig(mode="reduce-overhead", dynamic=True))
-    from contbatch import ContinuousBatchingManager
-
     r = ContinuousBatchingManager(llama_model, GREEDY, config).resolved_config
     assert r.compile_level == 2 and r.decode_compile.mode == "max-autotune-no-cudagraphs"
     assert r.varlen_compile.mode == "default" and any("reduce-overhead" in w for w in r.warnings)
@@ -98,3 +98,26 @@ def test_level1_matches_generate(arch):
     assert stats["graph_breaks"] == 0 and stats["compiles"] >= 1
     for prompt, out in zip(prompts, outs):
         assert_exact_or_near_tie(model, prompt, out.generated_tokens, reference_generate(model, prompt, 8))
+
+
+def test_warm_up_in_the_background_then_serve(llama_model):
+    """`start(wait_warm=False)` returns at once; `is_warm()` turns true once the compiled
+    paths have run, and requests are exact. A queue too small for the warm-up's requests
+    does not keep the engine warming forever."""
+    eager = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
+    for queue in (0, 1):
+        config = ContinuousBatchingConfig(block_size=4, decode_compile_config=eager, varlen_compile_config=eager,
+                                          max_queue_size=queue)
+        m = ContinuousBatchingManager(llama_model, GenerationConfig(max_new_tokens=4, do_sample=False,
+                                                                    eos_token_id=None), config)
+        m.start(wait_warm=False)
+        try:
+            deadline = time.time() + 120
+            while not m.is_warm():
+                assert time.time() < deadline, "never warm"
+                time.sleep(0.05)
+            rid = m.add_request([5, 6, 7])
+            assert m.get_result(rid, timeout=60).generated_tokens == reference_generate(llama_model, [5, 6, 7], 4)
+            assert m.stats()["compiles"] >= 1 and m.stats()["graph_breaks"] == 0
+        finally:
+            m.destroy()

@@ -32,6 +32,12 @@ LEVELS: dict[int, dict | None] = {
     3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
 }
 PATHS = ("decode", "varlen")
+# The default level, by measurement: on the CPU (2-core AMD EPYC, SmolLM2-135M fp32, 64 prompts,
+# `benchmarks/ab.py eager=. compiled=.:--compile-level=1`, 2026-12-01) level 1 ran at 0.69x
+# the eager step's throughput after a 34 s warm-up, so eager stays the default; on a GPU the
+# step runs in CUDA graphs already.
+DEFAULT_LEVEL = 0
+DEFAULT_LEVEL_RULE = "compile level 0 by default: level 1 measured 0.69x eager throughput on the CPU (benchmarks/ab.py)"
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,14 @@ class CompileChoice:
         return kw
 
 
-def resolve_compile(level: int, decode_config, varlen_config, device_type: str
-                    ) -> tuple[dict[str, CompileChoice | None], list[str], list[str]]:
-    """The compile choice of each path, with the notes and warnings to report."""
+def resolve_compile(level: int | None, decode_config, varlen_config, device_type: str
+                    ) -> tuple[int, dict[str, CompileChoice | None], list[str], list[str]]:
+    """The level in force and the compile choice of each path, with notes and warnings."""
     notes: list[str] = []
     warnings: list[str] = []
+    if level is None:
+        level = DEFAULT_LEVEL
+        notes.append(DEFAULT_LEVEL_RULE)
     choices: dict[str, CompileChoice | None] = {}
     for path, config in zip(PATHS, (decode_config, varlen_config)):
         if config is None:
@@ -73,7 +82,7 @@ def resolve_compile(level: int, decode_config, varlen_config, device_type: str
                                       bool(getattr(config, "fullgraph", True)), dict(getattr(config, "options", None) or {}))
     if device_type == "cpu" and any(c is not None and c.dynamic is False for c in choices.values()):
         notes.append("dynamic=False compiles once per padded step shape: many minutes of start-up on a CPU")
-    return choices, notes, warnings
+    return level, choices, notes, warnings
 
 
 def compiled_forward(model: torch.nn.Module, choice: CompileChoice) -> Callable[..., torch.Tensor]:

@@ -135,6 +135,8 @@ class ContinuousBatchingManager:
                         self._compile_failed(failed[0])
                         break
                     bar.update(1)
+        except ValueError as exc:  # e.g. a queue limit below the warm-up's requests: compile on first use
+            logger.warning("contbatch: compiled steps not warmed up (%s); the first requests compile them", exc)
         except RuntimeError:  # stopped while warming: nothing to warm any more
             return
         logger.info("contbatch: compiled steps warmed up in %.1f s (%d compiles)", time.perf_counter() - t0,

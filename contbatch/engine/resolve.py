@@ -108,7 +108,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
             f"{windowed} sliding-window layers keep their full KV, so prefix sharing and the batched decode "
             "path stay exact (no memory is saved on those layers)"
         )
-    compiled, compile_notes, compile_warnings = resolve_compile(
+    compile_level, compiled, compile_notes, compile_warnings = resolve_compile(
         cfg.default_compile_level, cfg.decode_compile_config, cfg.varlen_compile_config, device.type
     )
     notes += compile_notes
@@ -146,7 +146,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         kv_padding_interval_size=cfg.kv_padding_interval_size,
         max_cached_graphs=cfg.max_cached_graphs,
         cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
-        compile_level=cfg.default_compile_level,
+        compile_level=compile_level,
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
     )

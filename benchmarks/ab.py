@@ -1,0 +1,97 @@
+"""A/B of two source trees (or two settings) on one offline workload, interleaved.
+
+For "did this change slow anything down": each run is a fresh process importing contbatch from
+the tree given (`PYTHONPATH`), on the default model, the same prompts (64 cut from one text,
+16-256 tokens, 64 new tokens each, EOS ignored, greedy), warmed up the same way; the systems
+alternate, `--repeats` rounds, and each row reports its median tok/s with [min, max], the load
+average, and whether every system's tokens equal the first one's.
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
+    python benchmarks/ab.py eager=. compiled=.:--compile-level=1   # same tree, two settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r'''
+import json, sys, time, torch
+from transformers import GenerationConfig
+import contbatch
+from contbatch import ContinuousBatchingConfig, generate_batch, load_model
+dtype, n, new, level = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model, tok = load_model(dtype=getattr(torch, dtype))
+ids = tok.encode(open(sys.argv[5]).read())
+prompts = [ids[(i * 997) % (len(ids) - 300):][: 16 + (i * 53) % 241] for i in range(n)]
+gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
+kw = {"default_compile_level": level} if level else {}
+t0 = time.perf_counter()
+generate_batch(model, prompts[:4], GenerationConfig(max_new_tokens=4, do_sample=False), progress_bar=False,
+               config=ContinuousBatchingConfig(**kw))
+warm = time.perf_counter() - t0
+t0 = time.perf_counter()
+out = generate_batch(model, prompts, gen, progress_bar=False, config=ContinuousBatchingConfig(**kw))
+wall = time.perf_counter() - t0
+tokens = [out[f"req_{i}"].generated_tokens for i in range(n)]
+print(json.dumps({"tok_s": sum(map(len, tokens)) / wall, "warm_s": warm, "tokens": tokens, "src": contbatch.__file__}))
+'''
+
+
+def run(tree: str, extra: dict, args) -> dict:
+    level = int(extra.get("--compile-level", 0))
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "TRANSFORMERS_VERBOSITY": "error"}
+    text = Path(__file__).resolve().parents[1] / "README.md"
+    out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, str(args.prompts), str(args.new_tokens), str(level),
+                          str(text)], capture_output=True, text=True, env=env, cwd="/")
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("systems", nargs="+", help="name=tree[:--compile-level=N]")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    systems = {}
+    for spec in args.systems:
+        name, _, rest = spec.partition("=")
+        tree, *opts = rest.split(":")
+        systems[name] = (tree, dict(o.split("=", 1) for o in opts))
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    load = [os.getloadavg()[0]]
+    t0 = time.time()
+    names = list(systems)
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+            runs[name].append(run(*systems[name], args))
+            load.append(os.getloadavg()[0])
+    first = runs[names[0]][0]["tokens"]
+    print(f"{args.prompts} prompts, {args.new_tokens} new tokens, {args.dtype}, {args.repeats} interleaved rounds, "
+          f"load {min(load):.2f}-{max(load):.2f}, {time.time() - t0:.0f} s")
+    base = statistics.median(r["tok_s"] for r in runs[names[0]])
+    for name in names:
+        tps = [r["tok_s"] for r in runs[name]]
+        same = all(r["tokens"] == first for r in runs[name])
+        print(f"{name:<12} {statistics.median(tps):7.1f} tok/s [{min(tps):.1f}-{max(tps):.1f}]  "
+              f"x{statistics.median(tps) / base:.3f} vs {names[0]}  warm-up {statistics.median(r['warm_s'] for r in runs[name]):.1f} s  "
+              f"tokens {'identical' if same else 'DIFFER'}  ({runs[name][0]['src']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load": load, "runs": {k: [{x: y for x, y in r.items() if x != 'tokens'}
+                                                                             for r in v] for k, v in runs.items()}}))
+
+
+if __name__ == "__main__":
+    main()
