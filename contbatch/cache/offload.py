@@ -54,7 +54,3 @@ class HostKVTier:
         self.reserved.clear()
         self._copies.clear()
         self.used_blocks = 0
-
-    @property
-    def num_copies(self) -> int:
-        return len(self._copies)

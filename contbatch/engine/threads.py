@@ -36,9 +36,11 @@ def _pause_resource_all():
     candidates = sorted(glob.glob(os.path.join(lib_dir, "libgomp*.so*")) + glob.glob(os.path.join(lib_dir, "libiomp*")))
     for handle in [*candidates, None]:  # None: whatever the process has loaded already
         try:
-            return ctypes.CDLL(handle).omp_pause_resource_all
+            pause = ctypes.CDLL(handle).omp_pause_resource_all
         except (OSError, AttributeError):
             continue
+        pause.argtypes = [ctypes.c_int]
+        return pause
     return None
 
 
@@ -48,5 +50,4 @@ def release_openmp_pool() -> bool:
     if pause is None:
         logger.debug("contbatch: no omp_pause_resource_all in this OpenMP runtime; pools left as they are")
         return False
-    pause.argtypes = [ctypes.c_int]
     return pause(_OMP_PAUSE_SOFT) == 0
