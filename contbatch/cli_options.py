@@ -18,6 +18,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-level", type=int, choices=[0, 1, 2, 3], default=None,
                    help="torch.compile the step: 0 none, 1 default+dynamic, 2 max-autotune+dynamic, 3 max-autotune "
                         "static shapes (default: the engine's)")
+    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn"], default="auto",
+                   help="float32 linear layers on the CPU: auto times MKL (aten) against oneDNN on the model's "
+                        "shapes at start-up and takes the faster per shape")
 
 
 def resolve_device(name: str) -> str:
@@ -35,5 +38,6 @@ def gpu_config(args: argparse.Namespace) -> dict:
         decode_fast_path=args.decode_fast_path,
         use_cuda_graph=args.cuda_graph,
         use_async_batching=args.async_batching,
+        cpu_linear_kernel=args.cpu_linear_kernel,
         **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),
     )

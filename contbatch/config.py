@@ -72,6 +72,9 @@ class ContinuousBatchingConfig:
     default_compile_level: int | None = None  # None: 0, by measurement (see engine/compile.py)
     decode_compile_config: object | None = None
     varlen_compile_config: object | None = None
+    # Float32 linear layers on the CPU: "auto" times MKL (aten) against oneDNN on the model's
+    # weight shapes at start-up and routes each to the faster (see engine/cpu_linear.py).
+    cpu_linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -111,6 +114,8 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
+        if self.cpu_linear_kernel not in ("auto", "aten", "onednn"):
+            raise ValueError(f"cpu_linear_kernel must be 'auto', 'aten' or 'onednn', got {self.cpu_linear_kernel!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 
@@ -150,6 +155,7 @@ class ResolvedConfig:
     compile_level: int = 0
     decode_compile: object | None = None  # CompileChoice, or None: eager
     varlen_compile: object | None = None
+    cpu_linear: object | None = None  # LinearPlan: which float32 weight shapes run on oneDNN
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

@@ -4,8 +4,10 @@
 by index): left in the graph they would break it in every layer. So a compiled forward calls
 `torch.ops.contbatch.paged_attention` instead, which Dynamo sees as one node per layer with a
 fake implementation for shapes. The step's `StepMetadata` cannot be an operator argument (it
-is not a tensor); the runner puts it in `current_step` for the duration of the compiled call,
-on the engine thread: the one place contbatch keeps step state outside the model's kwargs.
+is not a tensor); the runner puts it in `current_step` for the duration of every forward, on
+the engine thread: the one place contbatch keeps step state outside the model's kwargs. It is
+also how paged attention finds the step when a model's layers drop the attention kwargs, and
+how other engine-only kernels (`engine/cpu_linear.py`) know a call is part of a step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ COMPILED_STEP = "contbatch-compiled-step"
 _local = threading.local()
 
 
+def active_step() -> StepMetadata | None:
+    """The step being run on this thread, or None outside an engine forward."""
+    return getattr(_local, "meta", None)
+
+
+def in_step() -> bool:
+    return getattr(_local, "meta", None) is not None
+
+
 @contextmanager
 def current_step(meta: StepMetadata):
     _local.meta = meta
@@ -40,7 +51,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     `softcap` 0 mean none); [1, H, T, D] queries -> [1, T, H, D]. The cache write is a side
     effect on tensors the graph never sees; each layer touches only its own, and steps run in
     order, so no reordering the compiler may do can observe it."""
-    meta: StepMetadata | None = getattr(_local, "meta", None)
+    meta = active_step()
     if meta is None:
         raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
     meta.cache.write(layer, meta.write_slots, key[0], value[0])

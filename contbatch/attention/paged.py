@@ -42,6 +42,9 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query: [1, H, T, D]; key/value: [1, H_kv, T, D]; returns ([1, T, H, D], None)."""
+    if step_metadata is None and not torch.compiler.is_compiling():
+        # Layers that drop `**kwargs` on the way down lose the kwarg: the step is on the thread.
+        step_metadata = ops.active_step()
     if step_metadata is None:  # a call from outside the engine: behave as the model did before
         extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         return _fallback_attention(module)(

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
+from .cpu_linear import LinearRouter
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus
@@ -63,6 +64,7 @@ class ContinuousBatchingManager:
         self._accepting = False
         self._stop_mode: str | None = None  # None, "graceful", "hard"
         self._saved_attn: str | None = None
+        self._linear_router: LinearRouter | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
 
     @property
@@ -85,6 +87,8 @@ class ContinuousBatchingManager:
             return
         r = self.resolved_config
         self._saved_attn = attach(self.model)
+        self._linear_router = LinearRouter(self.model, r.cpu_linear)
+        self._linear_router.install()
         logger.info(describe(r))
         for warning in r.warnings:
             logger.warning("contbatch: %s", warning)
@@ -320,6 +324,7 @@ class ContinuousBatchingManager:
             if self._saved_attn is not None:
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
+                self._linear_router.uninstall()
 
     def _loop(self) -> None:
         try:

@@ -10,6 +10,7 @@ from ..attention.backend import choose_backend
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
 from .compile import resolve_compile
+from .cpu_linear import plan_linear
 from ..config import (
     DEFAULT_CPU_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -149,6 +150,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         compile_level=compile_level,
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
+        cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
     )
     return resolved, layout
 
@@ -175,6 +177,7 @@ def describe(resolved: ResolvedConfig) -> str:
         + f"compile: level {resolved.compile_level}, decode "
         f"{resolved.decode_compile.describe() if resolved.decode_compile else 'eager'}, varlen "
         f"{resolved.varlen_compile.describe() if resolved.varlen_compile else 'eager'} "
+        + f"cpu_linear: {resolved.cpu_linear.summary} "
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "

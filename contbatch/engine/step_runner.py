@@ -240,15 +240,8 @@ class StepRunner:
         def run() -> torch.Tensor:
             if compiled is not None:
                 return self._run_compiled(compiled, meta, views)
-            out = self.model(
-                input_ids=views["input_ids"][None],
-                position_ids=views["positions"][None],
-                attention_mask=ENGINE_MASK,
-                logits_to_keep=views["logits_indices"],
-                use_cache=False,
-                step_metadata=meta,
-            )
-            return out.logits[0]
+            with current_step(meta):
+                return self._run_eager(views, meta)
 
         if not graphed:
             return run()
@@ -258,6 +251,17 @@ class StepRunner:
             logits = run()  # this step's result; it also warms up what the capture records
             self.graphs.add(key, run)
         return logits
+
+    def _run_eager(self, views: dict[str, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
+        out = self.model(
+            input_ids=views["input_ids"][None],
+            position_ids=views["positions"][None],
+            attention_mask=ENGINE_MASK,
+            logits_to_keep=views["logits_indices"],
+            use_cache=False,
+            step_metadata=meta,
+        )
+        return out.logits[0]
 
     def _run_compiled(self, fn: Callable[..., torch.Tensor], meta: StepMetadata,
                       views: dict[str, torch.Tensor]) -> torch.Tensor:
