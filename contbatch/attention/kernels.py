@@ -82,7 +82,7 @@ def load_backend(name: str, decode_fast_path: bool, block_size: int) -> Attentio
     if name == "torch":
         from .torch_backend import TorchBackend
 
-        return TorchBackend()
+        return TorchBackend(decode_kernel=decode_fast_path)
     if name == "triton":
         from . import triton_kernels as tk
 

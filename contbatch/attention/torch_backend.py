@@ -1,9 +1,12 @@
 """The CPU backend: paged attention in plain PyTorch, planned once per step on the host.
 
 From the step's host copies, `prepare` derives two kinds of work that every layer then reuses:
-- decode rows (one query token each; they come first in the batch, shortest first) are split
-  into a few groups of similar key length, each attended in one batched matmul against keys
-  gathered from the paged cache, with grouped-query heads folded so K/V are never repeated;
+- decode rows (one query token each; they come first in the batch, shortest first) are
+  attended in one call of our C++ kernel (`cpu_kernel.py`), which reads K/V in place through
+  the block tables. Without it (decode fast path off) they are split into a few groups of
+  similar key length, each attended in one batched matmul against keys gathered from the
+  paged cache, with grouped-query heads folded so K/V are never repeated: the reference the
+  kernel is tested against;
 - prefill rows (prompt chunks) run through `scaled_dot_product_attention` one request at a
   time, so each attends only to its own keys and the work is real matrix work. A first chunk
   attends to the step's fresh K/V directly; a later one gathers its earlier keys.
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged_cache import PagedAttentionCache
+from . import cpu_kernel
 from .metadata import StepMetadata, visible_keys
 
 MAX_DECODE_GROUPS = 4
@@ -61,10 +65,20 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Every decode row of the step, for the in-place kernel: its block tables and key counts."""
+
+    num_rows: int
+    block_table: torch.Tensor  # [rows, W] int32
+    kv_lens: torch.Tensor  # [rows] int32
+
+
+@dataclass
 class TorchStep:
     decode_groups: list[DecodeGroup]
     prefill_rows: list[PrefillRow]
     num_tokens: int  # tokens of real requests; rows past it are padding (compiled steps)
+    decode_rows: DecodeRows | None = None  # set instead of decode_groups when the kernel runs
 
 
 def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
@@ -87,10 +101,12 @@ def _softmax_scores(scores: torch.Tensor, scaling: float, softcap: float | None)
 
 class TorchBackend:
     name = "torch"
-    fast_decode = False
     kv_keyed = False
     varlen_tiles = None
     max_varlen_tiles = None
+
+    def __init__(self, decode_kernel: bool = False) -> None:
+        self.fast_decode = decode_kernel  # decode rows read K/V in place (C++ kernel)
 
     def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> TorchStep:
         """Decode groups and prefill rows from the step's host tensors (an unpadded step)."""
@@ -101,7 +117,11 @@ class TorchBackend:
         table = host["block_table"].long()
         num_decode = int((q_lens == 1).sum())
         groups = []
-        for lo, hi in _split_decode_rows(num_decode):
+        decode_rows = None
+        if self.fast_decode and num_decode:
+            decode_rows = DecodeRows(num_decode, host["block_table"][:num_decode].to(device, torch.int32),
+                                     host["kv_lens"][:num_decode].to(device, torch.int32).contiguous())
+        for lo, hi in ([] if decode_rows else _split_decode_rows(num_decode)):
             lens = kv_lens[lo:hi]
             length = int(lens.max())
             key_pos = torch.arange(length)
@@ -118,7 +138,7 @@ class TorchBackend:
                 key_pos = torch.arange(kv_len)
                 kv_index = cache.gather_index(table[i, key_pos // bs] * bs + key_pos % bs).to(device)
             rows.append(PrefillRow(int(cu_q[i]), q_len, kv_len, kv_index))
-        return TorchStep(groups, rows, int(cu_q[-1]))
+        return TorchStep(groups, rows, int(cu_q[-1]), decode_rows)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
                scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
@@ -128,6 +148,13 @@ class TorchBackend:
         out = query.new_empty(total, num_heads, head_dim)
         if step.num_tokens < total:
             out[step.num_tokens :] = 0  # padding tokens belong to no request: keep them finite
+        if step.decode_rows is not None:
+            n = step.decode_rows.num_rows
+            k_cache, v_cache = meta.cache.kv(layer)
+            q = query[0, :, :n].transpose(0, 1).contiguous()
+            out[:n] = cpu_kernel.paged_decode(q, k_cache, v_cache, step.decode_rows.block_table,
+                                              step.decode_rows.kv_lens, None, meta.cache.block_size, scaling,
+                                              sliding_window, softcap)
         for group in step.decode_groups:
             rows = slice(group.row_start, group.row_start + group.num_rows)
             out[rows] = _decode(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap)

@@ -1,0 +1,91 @@
+"""The C++ CPU decode kernel (attention/cpu_kernel.py): reads K/V in place, matches the math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
+from contbatch.attention import backend as backend_mod
+from contbatch.attention import cpu_kernel
+
+from conftest import random_prompts, reference_generate
+
+AVAILABLE, HOW = cpu_kernel.load()
+needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU kernel: {HOW}")
+
+
+def _reference(q, k, v, table, lens, sinks, bs, scale, window, cap):
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[0]
+    out = torch.empty(rows, heads, dim)
+    for b in range(rows):
+        n = int(lens[b])
+        pos = torch.arange(n)
+        slots = table[b, pos // bs].long() * bs + pos % bs
+        s = torch.einsum("hgd,hld->hgl", q[b].float().view(kv_heads, -1, dim), k[:, slots].float()) * scale
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        if window:
+            s[..., : max(0, n - window)] = float("-inf")
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(kv_heads, -1, 1)], -1)
+        p = s.softmax(-1)[..., :n]
+        out[b] = torch.einsum("hgl,hld->hgd", p, v[:, slots].float()).reshape(heads, dim)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (7, None, False), (None, 5.0, False),
+                                                    (None, None, True)])
+@pytest.mark.parametrize("token_major", [False, True])
+def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_major):
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, dim, bs, blocks, width = 9, 6, 2, 16, 4, 40, 8
+    shape = (blocks * bs, kv_heads, dim) if token_major else (kv_heads, blocks * bs, dim)
+    k_store, v_store = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    k, v = (t.transpose(0, 1) for t in (k_store, v_store)) if token_major else (k_store, v_store)
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(rows)]).int()
+    lens = torch.tensor([1, 2, 3, 4, 5, 17, 31, 32, 9], dtype=torch.int32)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    out = cpu_kernel.paged_decode(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
+    ref = _reference(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_inputs():
+    q = torch.randn(2, 4, 8)
+    k = v = torch.randn(3, 16, 8)  # 4 query heads over 3 KV heads
+    table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        cpu_kernel.paged_decode(q, k, v, table, lens, None, 4, 1.0, None, None)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernel.paged_decode(q, k[:2], v[:2], table.long(), lens, None, 4, 1.0, None, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fast", [True, False])
+def test_engine_exact_with_and_without_the_kernel(sliding_model, fast):
+    """Windowed and soft-capped models: the in-place kernel and the gather reference both
+    give `model.generate`'s tokens, and the resolved config says which ran."""
+    prompts = random_prompts(10, 1, 40, seed=21)
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, decode_fast_path=fast)
+    assert ContinuousBatchingManager(sliding_model, config=config).resolved_config.decode_fast_path is fast
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    results = generate_batch(sliding_model, prompts, gc, config, progress_bar=False)
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == reference_generate(sliding_model, prompt, 10)
+
+
+def test_missing_kernel_is_a_warning_not_a_failure(llama_model, monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "load", lambda: (False, "unavailable (no compiler)"))
+    r = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(block_size=4)).resolved_config
+    assert r.attention_backend == "torch" and not r.decode_fast_path
+    assert any("C++ CPU decode kernel is unavailable (no compiler)" in w for w in r.warnings)
+    asked = backend_mod.choose_backend("torch", "cpu", 4, True, None, None)
+    assert not asked.decode_fast_path and "decode_fast_path=True cannot run" in asked.warnings[0]
