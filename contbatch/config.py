@@ -75,6 +75,9 @@ class ContinuousBatchingConfig:
     # Float32 linear layers on the CPU: "auto" times MKL (aten) against oneDNN on the model's
     # weight shapes at start-up and routes each to the faster (see engine/cpu_linear.py).
     cpu_linear_kernel: str = "auto"
+    # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
+    # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
+    return_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE:
@@ -156,6 +159,7 @@ class ResolvedConfig:
     decode_compile: object | None = None  # CompileChoice, or None: eager
     varlen_compile: object | None = None
     cpu_linear: object | None = None  # LinearPlan: which float32 weight shapes run on oneDNN
+    return_logprobs: bool = False
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

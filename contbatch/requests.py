@@ -62,6 +62,10 @@ class GenerationOutput:
     top_logprobs: list[dict[int, float]] | None = None
     index: int = 0  # which of the n samples of its prompt
     samples: list["GenerationOutput"] | None = None  # n > 1: every sample, in index order
+    weight_version: int = 0  # the manager's weight version that produced the latest token
+    # One per generated token, only where the request's tokens came from several versions
+    # (`update_weights` with in-flight requests kept or recomputed): RL trainers drop those.
+    weight_versions: list[int] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -109,6 +113,9 @@ class RequestState:
     cached_tokens: int = 0
     pending_tokens: int = 0  # trailing placeholders (async batching)
     committed_tokens: int = 0  # tokens whose blocks are published to the prefix cache
+    weight_version: int = 0  # of its latest token
+    token_versions: list[int] | None = None  # per token, once a weight update came mid-request
+    stale_kv: bool = False  # KV kept across a weight update: never published to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -211,4 +218,7 @@ class RequestState:
             logprobs=None if logprobs is None else list(logprobs) if final else logprobs[start:],
             top_logprobs=None if top is None else list(top) if final else top[start:],
             index=self.index,
+            weight_version=self.weight_version,
+            weight_versions=None if self.token_versions is None else list(self.token_versions) if final
+            else self.token_versions[start:],
         )

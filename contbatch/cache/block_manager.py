@@ -174,7 +174,7 @@ class BlockManager:
         table = self.block_tables.get(request_id, [])
         done = self._hashed.get(request_id, 0)
         full = min(num_computed // self.block_size, len(table))
-        if full <= done:
+        if full <= done or (done and self._keys[table[done - 1]] is None):  # chain cut by a reset
             return
         parent = self._keys[table[done - 1]].hash if done else None
         for i, key in enumerate(self._keys_for(token_ids, full, done, parent), start=done):
@@ -182,3 +182,15 @@ class BlockManager:
             self._keys[block] = key
             self._by_hash.setdefault(key.hash, block)  # first writer wins; a twin stays private
         self._hashed[request_id] = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the weights changed: their KV is stale). Cached blocks
+        nobody uses go back to the free pool; blocks in use keep their content for their
+        owners but serve no one else, and the chains of their owners stop there. Returns the
+        number of blocks freed."""
+        freed = len(self._cached)
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._by_hash.clear()
+        self._keys = [None] * self.num_blocks
+        return freed

@@ -73,6 +73,7 @@ class EngineCore:
         self.decode_only_rows = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
+        self.weight_version = 0  # bumped by every weight update
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -149,12 +150,17 @@ class EngineCore:
                                                          "dtype and its weights")
                 continue
             state.set_token(index, token)
+            state.weight_version = self.weight_version
+            if state.token_versions is not None:
+                state.token_versions.append(self.weight_version)
             self._after_token(state)
 
     def _cache_full_blocks(self, state: RequestState, upto: int) -> None:
         """Publish the request's blocks completed within `upto` tokens to the prefix cache;
         most steps complete no block, and then there is nothing to hash."""
         bs = self.cache.block_size
+        if state.stale_kv:
+            return
         if upto // bs != state.committed_tokens // bs:
             self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
         state.committed_tokens = upto
@@ -176,13 +182,49 @@ class EngineCore:
         else:
             self.publish(state)
 
+    # -- weights -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply the step in flight (async batching): afterwards no work is outstanding."""
+        step, self.inflight = self.inflight, None
+        if step is not None:
+            self._apply(step)
+
+    def weights_changed(self, inflight: str) -> dict:
+        """The model's weights were replaced: bump the version, drop every cached prefix, and
+        treat requests that already hold KV or tokens per `inflight` ("recompute": their KV
+        is recomputed with the new weights; "keep": it stays, later tokens use the new
+        weights; "abort": they end cancelled). Call with no step in flight (`flush`)."""
+        old = self.weight_version
+        self.weight_version += 1
+        sched = self.scheduler
+        started = [s for s in [*sched.running.values(), *sched.waiting] if s.num_computed_tokens or s.generated_tokens]
+        for state in started:
+            if state.token_versions is None:
+                state.token_versions = [old] * len(state.known_tokens)
+        if inflight == "abort":
+            for state in started:
+                self.retire(state, RequestStatus.CANCELLED,
+                            f"cancelled: the weights were updated to version {self.weight_version} mid-request")
+        elif inflight == "recompute":
+            for state in started:
+                sched.recompute(state)
+        else:
+            for state in started:
+                state.stale_kv = True
+        freed = self.cache.block_manager.reset_prefix_cache()
+        return {"weight_version": self.weight_version, "requests": len(started), "freed_cached_blocks": freed}
+
+    def reset_prefix_cache(self) -> int:
+        self.flush()
+        return self.cache.block_manager.reset_prefix_cache()
+
     # -- the one way out -------------------------------------------------------------------
     def retire(self, state: RequestState, status: RequestStatus | None = None, reason: str | None = None) -> None:
         """End a request wherever it is (queue, running set, host tier) and publish its final
         output. `status` None: it has finished by itself (its state says so already)."""
         if status is not None and not state.status.is_done:
             kind = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}[status]
-            state.finish(status, kind, reason if status == RequestStatus.FAILED else None)
+            state.finish(status, kind, reason)
         self.scheduler.remove(state.request_id)
         self.publish(state)
 
@@ -231,6 +273,7 @@ class EngineCore:
             "graph_captures": graphs.captures if graphs else 0,
             "graph_replays": graphs.replays if graphs else 0,
             "compiles": self.runner.compiles,
+            "weight_version": self.weight_version,
             "graph_breaks": self.runner.graph_breaks,
         }
 

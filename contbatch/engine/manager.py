@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
 from .cpu_linear import LinearRouter
+from .weights import check_inflight, copy_weights, weight_pairs
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus
@@ -37,6 +38,7 @@ from .threads import release_openmp_pool
 logger = logging.getLogger("contbatch")
 
 _IDLE_POLL_S = 0.05
+_CONTROL = ("pause", "resume", "reset_prefix_cache", "weights")  # inbox commands a caller waits on
 
 
 class ContinuousBatchingManager:
@@ -66,6 +68,7 @@ class ContinuousBatchingManager:
         self._saved_attn: str | None = None
         self._linear_router: LinearRouter | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
+        self._paused = False  # no step is scheduled while set; requests wait with their KV
 
     @property
     def cache(self) -> PagedAttentionCache | None:
@@ -157,6 +160,7 @@ class ContinuousBatchingManager:
         if thread is None:
             return
         self._stop_mode = "hard" if hard_stop else (self._stop_mode or "graceful")
+        self._paused = False  # a graceful stop finishes what was submitted, paused or not
         self._inbox.put(("wake", None))
         if thread is threading.current_thread():
             return
@@ -176,6 +180,79 @@ class ContinuousBatchingManager:
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # -- pause, resume, weights (any thread) ---------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.core.weight_version if self.core else 0
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def pause(self, timeout: float | None = None) -> None:
+        """Stop scheduling steps once the step in flight is done; requests keep their KV and
+        new ones wait. Returns when the engine is idle. Idempotent."""
+        self._control("pause", None, timeout)
+
+    def resume(self, timeout: float | None = None) -> None:
+        self._control("resume", None, timeout)
+
+    def reset_prefix_cache(self, timeout: float | None = None) -> int:
+        """Forget every cached prefix; returns the blocks that went back to the free pool."""
+        return self._control("reset_prefix_cache", None, timeout)
+
+    def update_weights(self, weights=None, *, inflight: str = "recompute", timeout: float | None = None) -> int:
+        """Copy new weights into the attached model, in place, and make the engine consistent
+        with them; returns the new `weight_version`.
+
+        `weights`: a state dict or `(name, tensor)` pairs (checked before any copy), or None
+        when the caller already changed the model's parameters (an optimizer step on the same
+        model object). Every cached prefix is dropped. Requests in flight are recomputed with
+        the new weights (`"recompute"`: their tokens so far stay), keep their KV (`"keep"`:
+        later tokens use the new weights) or end cancelled (`"abort"`); their outputs list
+        the version of each token in `weight_versions`."""
+        check_inflight(inflight)
+        pairs = weight_pairs(self.model, weights) if weights is not None else []
+        was_paused = self._paused
+        self.pause(timeout)
+        try:
+            copy_weights(pairs)
+            result = self._control("weights", inflight, timeout)
+        finally:
+            if not was_paused:
+                self.resume(timeout)
+        logger.info("contbatch: weights updated to version %d (%d tensors; %d requests in flight: %s; %d cached "
+                    "blocks freed)", result["weight_version"], len(pairs), result["requests"], inflight,
+                    result["freed_cached_blocks"])
+        return result["weight_version"]
+
+    def _control(self, kind: str, payload, timeout: float | None):
+        """Run a control command on the engine thread (or here, when no thread runs) and
+        wait for it. From the engine thread itself (a result handler) it runs at once."""
+        if self.core is None:
+            raise RuntimeError("this manager was destroyed")
+        if not self.is_running() or threading.current_thread() is self._thread:
+            return self._do_control(kind, payload)
+        done, box = threading.Event(), {}
+        self._inbox.put((kind, (payload, done, box)))
+        if not done.wait(timeout):
+            raise TimeoutError(f"the engine did not {kind.replace('_', ' ')} within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _do_control(self, kind: str, payload):
+        if kind == "pause":
+            self.core.flush()
+            self._paused = True
+        elif kind == "resume":
+            self._paused = False
+        elif kind == "reset_prefix_cache":
+            return self.core.reset_prefix_cache()
+        elif kind == "weights":
+            self.core.flush()
+            return self.core.weights_changed(payload)
+        return None
 
     # -- submission (any thread) ---------------------------------------------------------
     def add_request(
@@ -329,10 +406,10 @@ class ContinuousBatchingManager:
     def _loop(self) -> None:
         try:
             while True:
-                self._drain_inbox(block=not self.core.has_work())
+                self._drain_inbox(block=self._paused or not self.core.has_work())
                 if self._stop_mode == "hard":
                     break
-                busy = self.core.has_work()
+                busy = self.core.has_work() and not self._paused
                 if self._stop_mode == "graceful" and not busy and self._inbox.empty():
                     break
                 if busy:
@@ -358,6 +435,14 @@ class ContinuousBatchingManager:
             elif kind == "cancel":
                 for rid in self._samples.get(payload, [payload]):
                     self.core.cancel(rid)
+            elif kind in _CONTROL:
+                arg, done, box = payload
+                try:
+                    box["result"] = self._do_control(kind, arg)
+                except Exception as exc:  # handed to the caller, who raises it
+                    box["error"] = exc
+                finally:
+                    done.set()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -373,6 +458,9 @@ class ContinuousBatchingManager:
                 break
             if kind == "add":
                 pending.append(payload)
+            elif kind in _CONTROL:  # a caller waits on it: answer, never leave it hanging
+                payload[2]["error"] = RuntimeError("the manager stopped before the command ran")
+                payload[1].set()
         if self.core is not None:
             self.core.fail_all(reason, pending)
 

@@ -151,6 +151,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
         cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
+        return_logprobs=cfg.return_logprobs,
     )
     return resolved, layout
 

@@ -20,6 +20,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..attention.kernels import AttentionBackend
 from ..attention.metadata import StepMetadata
@@ -253,14 +255,17 @@ class StepRunner:
         return logits
 
     def _run_eager(self, views: dict[str, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
-        out = self.model(
-            input_ids=views["input_ids"][None],
-            position_ids=views["positions"][None],
-            attention_mask=ENGINE_MASK,
-            logits_to_keep=views["logits_indices"],
-            use_cache=False,
-            step_metadata=meta,
-        )
+        # A model attached while it trains (RL: the same object generates and learns) may be in
+        # train mode; its steps must still be inference: no dropout, whatever the flag says.
+        with _NoDropout() if self.model.training else nullcontext():
+            out = self.model(
+                input_ids=views["input_ids"][None],
+                position_ids=views["positions"][None],
+                attention_mask=ENGINE_MASK,
+                logits_to_keep=views["logits_indices"],
+                use_cache=False,
+                step_metadata=meta,
+            )
         return out.logits[0]
 
     def _run_compiled(self, fn: Callable[..., torch.Tensor], meta: StepMetadata,
@@ -299,6 +304,19 @@ class StepRunner:
         if step.shape.decode_only:
             self.decode_seconds += busy
         return step.result
+
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout}
+
+
+class _NoDropout(TorchFunctionMode):
+    """Dropout as identity, on this thread only: the user's training forward elsewhere keeps it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        return func(*args, **(kwargs or {}))
 
 
 def _path(decode_only: bool) -> str:

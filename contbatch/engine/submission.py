@@ -115,6 +115,8 @@ class RequestBuilder:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if self.resolved.return_logprobs and not params.logprobs:
+            params = dataclasses.replace(params, logprobs=True)
         return params
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:

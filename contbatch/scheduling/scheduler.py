@@ -108,6 +108,19 @@ class Scheduler:
         self._hashes.pop(request_id, None)
         return state
 
+    def recompute(self, state: RequestState) -> None:
+        """Forget a request's KV wherever it is (running, or offloaded to the host tier): its
+        tokens stay and are recomputed when it is scheduled again, ahead of later arrivals."""
+        self.host.drop(state.request_id)
+        self.block_manager.free(state.request_id)
+        if not state.num_computed_tokens:
+            return
+        state.soft_reset()
+        self.soft_resets += 1
+        if self.running.pop(state.request_id, None) is not None:
+            at = next((i for i, w in enumerate(self.waiting) if w.arrival > state.arrival), len(self.waiting))
+            self.waiting.insert(at, state)
+
     def _preempt(self, state: RequestState, plan: StepPlan) -> None:
         """Make room: offload the victim's KV to host memory if it fits there, else soft
         reset it (blocks freed, tokens kept, recomputed later). Either way it queues again

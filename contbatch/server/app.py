@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from .. import __version__
 from ..engine.manager import ContinuousBatchingManager
 from .async_engine import AsyncEngine
+from .admin import add_admin_routes
 from .bodies import read_body
 from .errors import APIError, install_handlers
 from .gate import Gate, ServerState
@@ -107,6 +108,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         return await pool.run(preparer.detokenize, await body(request))
+
+    add_admin_routes(app, manager, settings.weights_dir, body)
 
     # -- generation ----------------------------------------------------------------------
     @app.post("/v1/completions")

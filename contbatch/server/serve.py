@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--escape-special-tokens", action="store_true",
                    help="tokenize chat message content as plain text, so special tokens typed by clients "
                         "(e.g. <|im_end|>) cannot forge turns (default off, as in vLLM; see docs/security.md)")
+    p.add_argument("--weights-dir", default=None,
+                   help="folder whose .safetensors files POST /update_weights_from_disk may load (default: the "
+                        "route answers 403); see docs/security.md")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
     p.add_argument("--uvicorn-log-level", default="info")
@@ -74,7 +77,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     }
     return ServerSettings(served_model_names=names, model_root=str(args.model or DEFAULT_MODEL_NAME),
                           api_keys=keys, max_model_len=args.max_model_len,
-                          escape_special_tokens=args.escape_special_tokens,
+                          escape_special_tokens=args.escape_special_tokens, weights_dir=args.weights_dir,
                           **{k: v for k, v in given.items() if v is not None})
 
 

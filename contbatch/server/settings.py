@@ -42,6 +42,7 @@ class ServerSettings:
     worker_threads: int = 2  # parse, validate, template and tokenize requests off the event loop
     max_queued_jobs: int = 64  # requests waiting for a worker; more get 503
     escape_special_tokens: bool = False  # chat content: special tokens typed by clients stay text
+    weights_dir: str | None = None  # /update_weights_from_disk reads safetensors files under it only
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
