@@ -9,6 +9,10 @@ average, and whether every system's tokens equal the first one's.
     git worktree add /tmp/before <commit>
     python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
     python benchmarks/ab.py eager=. compiled=.:--compile-level=1   # same tree, two settings
+    python benchmarks/ab.py now=. mkl=.:--cpu-linear-kernel=aten gather=.:--decode-fast-path=false
+
+Options after a tree are `ContinuousBatchingConfig` fields, dashes for underscores
+(`--compile-level` is `default_compile_level`); values are parsed as JSON where they can be.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import json, sys, time, torch
 from transformers import GenerationConfig
 import contbatch
 from contbatch import ContinuousBatchingConfig, generate_batch, load_model
-dtype, n, new, level = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dtype, n, new, kw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+for path in ("decode_compile_config", "varlen_compile_config"):  # given as JSON objects
+    if isinstance(kw.get(path), dict):
+        from transformers import CompileConfig
+        kw[path] = CompileConfig(**kw[path])
 model, tok = load_model(dtype=getattr(torch, dtype))
 ids = tok.encode(open(sys.argv[5]).read())
 prompts = [ids[(i * 997) % (len(ids) - 300):][: 16 + (i * 53) % 241] for i in range(n)]
 gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
-kw = {"default_compile_level": level} if level else {}
 t0 = time.perf_counter()
 generate_batch(model, prompts[:4], GenerationConfig(max_new_tokens=4, do_sample=False), progress_bar=False,
                config=ContinuousBatchingConfig(**kw))
@@ -45,11 +52,22 @@ print(json.dumps({"tok_s": sum(map(len, tokens)) / wall, "warm_s": warm, "tokens
 '''
 
 
+def config_kwargs(extra: dict) -> dict:
+    kw = {}
+    for opt, raw in extra.items():
+        name = opt.lstrip("-").replace("-", "_")
+        name = "default_compile_level" if name == "compile_level" else name
+        try:
+            kw[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            kw[name] = raw
+    return kw
+
+
 def run(tree: str, extra: dict, args) -> dict:
-    level = int(extra.get("--compile-level", 0))
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "TRANSFORMERS_VERBOSITY": "error"}
     text = Path(__file__).resolve().parents[1] / "README.md"
-    out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, str(args.prompts), str(args.new_tokens), str(level),
+    out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, str(args.prompts), str(args.new_tokens), json.dumps(config_kwargs(extra)),
                           str(text)], capture_output=True, text=True, env=env, cwd="/")
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -58,7 +76,7 @@ def run(tree: str, extra: dict, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("systems", nargs="+", help="name=tree[:--compile-level=N]")
+    p.add_argument("systems", nargs="+", help="name=tree[:--option=value ...], e.g. b=.:--compile-level=1")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -68,8 +86,8 @@ def main() -> None:
     systems = {}
     for spec in args.systems:
         name, _, rest = spec.partition("=")
-        tree, *opts = rest.split(":")
-        systems[name] = (tree, dict(o.split("=", 1) for o in opts))
+        tree, *opts = rest.split(":--")  # options may hold JSON (with colons) of their own
+        systems[name] = (tree, dict(("--" + o).split("=", 1) for o in opts))
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     load = [os.getloadavg()[0]]
     t0 = time.time()

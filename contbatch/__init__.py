@@ -6,7 +6,7 @@ from .config import ContinuousBatchingConfig, ResolvedConfig
 from .engine import ContinuousBatchingManager
 from .models import load_model
 from .requests import GenerationOutput, RequestState, RequestStatus
-from .sampling import SamplingParams
+from .sampling import SamplingParams, StructuredOutput
 from .scheduling import FIFOScheduler, PrefillFirstScheduler, Scheduler
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "ResolvedConfig",
     "SamplingParams",
     "Scheduler",
+    "StructuredOutput",
     "continuous_batching",
     "generate_batch",
     "load_model",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .engine.detokenizer import IncrementalDetokenizer
+    from .sampling.grammar import GrammarState
     from .sampling.params import SamplingParams
 
 
@@ -116,6 +117,7 @@ class RequestState:
     weight_version: int = 0  # of its latest token
     token_versions: list[int] | None = None  # per token, once a weight update came mid-request
     stale_kv: bool = False  # KV kept across a weight update: never published to the prefix cache
+    grammar: "GrammarState | None" = None  # structured output: waits in the queue until compiled
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -32,13 +32,24 @@ from conftest import random_prompts, reference_generate
 
 # -- backend choice ----------------------------------------------------------------------
 def test_cpu_defaults_to_torch_with_nothing_claimed():
+    """On the CPU the torch backend's decode fast path is our C++ kernel: on wherever it builds."""
+    from contbatch.attention import cpu_kernel
+
     c = choose_backend("auto", "cpu", 256, None, None, None)
-    assert (c.name, c.decode_fast_path, c.use_cuda_graph, c.use_async_batching) == ("torch", False, False, False)
-    assert not c.warnings
+    built = cpu_kernel.load()[0]
+    assert (c.name, c.decode_fast_path, c.use_cuda_graph, c.use_async_batching) == ("torch", built, False, False)
+    assert not c.warnings if built else "C++ CPU decode kernel" in c.warnings[0]
+
+
+def _no_cpu_kernel(monkeypatch):
+    from contbatch.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "load", lambda: (False, "unavailable (no compiler)"))
 
 
 def test_impossible_requests_are_warnings_and_resolved_off(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _no_cpu_kernel(monkeypatch)
     c = choose_backend("triton", "cpu", 16, True, True, True)
     assert c.name == "torch" and not (c.decode_fast_path or c.use_cuda_graph or c.use_async_batching)
     text = " ".join(c.warnings)
@@ -63,7 +74,8 @@ def test_cuda_auto_choice(monkeypatch):
     assert rounded.block_size == 256 and "rounded up from 100 to 256" in rounded.warnings[0]
 
 
-def test_manager_logs_warnings_at_start_and_reports_them(llama_model, caplog):
+def test_manager_logs_warnings_at_start_and_reports_them(llama_model, caplog, monkeypatch):
+    _no_cpu_kernel(monkeypatch)
     config = ContinuousBatchingConfig(block_size=4, use_cuda_graph=True, decode_fast_path=True)
     manager = ContinuousBatchingManager(llama_model, config=config)
     r = manager.resolved_config

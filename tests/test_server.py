@@ -428,7 +428,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "unknown field 'tools'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4000}, 400,
@@ -513,7 +513,7 @@ BAD_FIELDS = {
 BAD_CHAT = {
     "messages": [[], [{"role": "tool", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": 5}],
                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "hi", None],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}],
+    "response_format": [{"type": "xml"}, {"type": "json_schema", "json_schema": {}}],
     "top_logprobs": [3, 21, -1],
     "max_completion_tokens": [0, 10**9],
     "logprobs": ["x", 3],

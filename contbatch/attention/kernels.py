@@ -21,7 +21,8 @@ import torch
 from ..cache.paged_cache import PagedAttentionCache
 from .metadata import StepMetadata
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata, float, int | None, float | None], torch.Tensor]
+# (q, k_cache, v_cache, meta, scale, window, softcap) plus `sinks=` where the model has them.
+Kernel = Callable[..., torch.Tensor]
 
 
 class AttentionBackend(Protocol):
@@ -35,7 +36,8 @@ class AttentionBackend(Protocol):
     def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> object: ...
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
-               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor: ...
+               scaling: float, sliding_window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -55,24 +57,28 @@ class KernelBackend:
         return None
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
-               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """Keys come from the cache only (this step's were just written): `[1, T, H, D]` out."""
+               scaling: float, sliding_window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys come from the cache only (this step's were just written): `[1, T, H, D]` out.
+        Sinks reach only our kernels (start-up refuses them on flash-attn)."""
         q = query[0].transpose(0, 1)  # [T, H, D]; contiguous, as the projections lay it out
         k_cache, v_cache = meta.cache.kv(layer)
         kernel = self.decode if meta.decode_only and self.decode is not None else self.varlen
-        return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0)
+        extra = {} if sinks is None else {"sinks": sinks}
+        return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap, **extra).unsqueeze(0)
 
 
 def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -> tuple[Kernel, Kernel]:
     """Our Triton kernels and their PyTorch reference share one signature: one adapter."""
 
-    def decode(q, k, v, meta, scale, window, softcap):
-        return decode_fn(q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size)
+    def decode(q, k, v, meta, scale, window, softcap, sinks=None):
+        return decode_fn(q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size,
+                         sinks=sinks)
 
-    def varlen(q, k, v, meta, scale, window, softcap):
+    def varlen(q, k, v, meta, scale, window, softcap, sinks=None):
         return varlen_fn(
             q, k, v, meta.block_table, meta.kv_lens, meta.cu_seqlens_q, meta.tile_request, meta.tile_start,
-            scale, window, softcap, out=torch.zeros_like(q), block_size=block_size,
+            scale, window, softcap, out=torch.zeros_like(q), block_size=block_size, sinks=sinks,
         )  # zeros: padding rows past the last request stay finite
 
     return decode, varlen

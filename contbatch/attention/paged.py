@@ -50,18 +50,32 @@ def paged_attention_forward(
         return _fallback_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs
         )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("contbatch paged attention does not support attention sinks (s_aux) yet")
+    # Attention sinks (gpt-oss): one learned logit per query head, in every softmax denominator.
+    sinks = kwargs.get("s_aux")
     if step_metadata is ops.COMPILED_STEP:  # a compiled step: one opaque op; the step is in `current_step`
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         window = -1 if sliding_window is None else sliding_window
         return torch.ops.contbatch.paged_attention(query, key, value, module.layer_idx, scaling, window,
-                                                   softcap or 0.0), None
+                                                   softcap or 0.0, sinks), None
     meta = step_metadata
-    layer = module.layer_idx
+    layer = cache_layer(meta, module.layer_idx)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
-    return meta.backend.attend(query, key, value, meta, layer, scaling, sliding_window, softcap), None
+    return meta.backend.attend(query, key, value, meta, layer, scaling, sliding_window, softcap, sinks), None
+
+
+def cache_layer(meta: StepMetadata, layer_idx: int) -> int:
+    """The cache layer of this attention call: the model's layer, or for layers that attend
+    more than once per forward (`KVLayout.calls_per_layer`), one cache layer per call, in call
+    order. Calls are counted per step on its metadata (modulo, so a forward run twice with the
+    same metadata, as a CUDA-graph capture does, maps the same way)."""
+    calls = meta.cache.layout.calls_per_layer
+    if calls == 1:
+        return layer_idx
+    counts = meta.__dict__.setdefault("attention_calls", {})  # per step: the metadata is made per step
+    n = counts.get(layer_idx, 0)
+    counts[layer_idx] = n + 1
+    return layer_idx * calls + n % calls
 
 
 def _fallback_attention(module: torch.nn.Module) -> Callable:
@@ -81,24 +95,41 @@ def _fallback_mask(*args, config=None, **kwargs):
     return mask_fn(*args, config=config, **kwargs)
 
 
+def text_config(model: torch.nn.Module):
+    """The config of the text decoder, whose attention the engine runs (the model's own
+    config, but for composite models: a vision tower may keep its own attention)."""
+    try:
+        return model.config.get_text_config(decoder=True)
+    except Exception:  # several candidates: the engine serves the model's own config
+        return model.config
+
+
+def is_attached(model: torch.nn.Module) -> bool:
+    return ATTENTION_NAME in (model.config._attn_implementation, text_config(model)._attn_implementation)
+
+
 def attach(model: torch.nn.Module) -> str:
-    """Route the model's attention through us; returns the implementation it had."""
+    """Route the model's (text decoder's) attention through us; returns the implementation it had."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, _fallback_mask)
-    original = model.config._attn_implementation
-    if original == ATTENTION_NAME:
+    if is_attached(model):
         raise RuntimeError("this model is already attached to a running contbatch manager")
-    _fallbacks[id(model.config)] = original
+    original = model.config._attn_implementation
+    configs = {id(c): c for c in (model.config, text_config(model))}
+    for key, config in configs.items():
+        _fallbacks[key] = config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    if model.config._attn_implementation != ATTENTION_NAME:
-        _fallbacks.pop(id(model.config), None)
+    if text_config(model)._attn_implementation != ATTENTION_NAME:
+        for key in configs:
+            _fallbacks.pop(key, None)
         raise RuntimeError(f"{type(model).__name__} does not accept a custom attention implementation")
     return original
 
 
 def detach(model: torch.nn.Module, original: str) -> None:
     model.set_attn_implementation(original)
-    _fallbacks.pop(id(model.config), None)
+    for config in (model.config, text_config(model)):
+        _fallbacks.pop(id(config), None)

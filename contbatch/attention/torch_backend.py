@@ -10,6 +10,10 @@ From the step's host copies, `prepare` derives two kinds of work that every laye
 - prefill rows (prompt chunks) run through `scaled_dot_product_attention` one request at a
   time, so each attends only to its own keys and the work is real matrix work. A first chunk
   attends to the step's fresh K/V directly; a later one gathers its earlier keys.
+
+Attention sinks (gpt-oss's `s_aux`: one learned logit per query head that joins every
+softmax denominator and contributes no value) take the plain-matmul paths, which append the
+sink as one more score column and drop it after the softmax, as the models' eager code does.
 """
 
 from __future__ import annotations
@@ -141,8 +145,10 @@ class TorchBackend:
         return TorchStep(groups, rows, int(cu_q[-1]), decode_rows)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
-               scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """query: [1, H, T, D]; key/value: [1, H_kv, T, D] (already in the cache); -> [1, T, H, D]."""
+               scaling: float, sliding_window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query: [1, H, T, D]; key/value: [1, H_kv, T, D] (already in the cache); sinks: [H]
+        or None; -> [1, T, H, D]."""
         step: TorchStep = meta.prepared
         _, num_heads, total, head_dim = query.shape
         out = query.new_empty(total, num_heads, head_dim)
@@ -153,11 +159,12 @@ class TorchBackend:
             k_cache, v_cache = meta.cache.kv(layer)
             q = query[0, :, :n].transpose(0, 1).contiguous()
             out[:n] = cpu_kernel.paged_decode(q, k_cache, v_cache, step.decode_rows.block_table,
-                                              step.decode_rows.kv_lens, None, meta.cache.block_size, scaling,
+                                              step.decode_rows.kv_lens, sinks, meta.cache.block_size, scaling,
                                               sliding_window, softcap)
         for group in step.decode_groups:
             rows = slice(group.row_start, group.row_start + group.num_rows)
-            out[rows] = _decode(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap)
+            out[rows] = _decode(query[0, :, rows], group, meta.cache, layer, scaling, sliding_window, softcap,
+                                sinks)
         for row in step.prefill_rows:
             s, n = row.q_start, row.q_len
             q = query[:, :, s : s + n]
@@ -166,21 +173,31 @@ class TorchBackend:
             else:
                 k, v = meta.cache.gather(layer, row.kv_index)
                 k, v = k.view(1, -1, row.kv_len, head_dim), v.view(1, -1, row.kv_len, head_dim)
-            if softcap is None and row.kv_index is None and sliding_window is None:
+            if softcap is None and sinks is None and row.kv_index is None and sliding_window is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
             else:
                 q_pos = torch.arange(row.kv_len - n, row.kv_len, device=query.device)[:, None]
                 mask = visible_keys(q_pos, torch.arange(row.kv_len, device=query.device)[None, :], sliding_window)
-                if softcap is not None:
-                    o = _grouped_prefill(q, k, v, mask, scaling, softcap)
+                if softcap is not None or sinks is not None:
+                    o = _grouped_prefill(q, k, v, mask, scaling, softcap, sinks)
                 else:
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
             out[s : s + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of `[..., kv_heads, group, rows, keys]`-shaped scores; with
+    sinks ([H] = kv_heads * group), each head's sink logit joins the denominator only."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    kv_heads, group = scores.shape[-4], scores.shape[-3]
+    sink = sinks.float().view(kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def _decode(query: torch.Tensor, group: DecodeGroup, cache: PagedAttentionCache, layer: int, scaling: float,
-            sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+            sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [H, B, D] for the B rows of a decode group; returns [B, H, D]."""
     num_heads, batch, head_dim = query.shape
     kv_heads = cache.layout.num_kv_heads
@@ -190,20 +207,21 @@ def _decode(query: torch.Tensor, group: DecodeGroup, cache: PagedAttentionCache,
     # Fold the query heads that share a KV head into one matrix: K/V are never repeated.
     q = query.transpose(0, 1).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
     scores = _softmax_scores(torch.matmul(q, keys.transpose(-1, -2)), scaling, softcap)
-    scores = scores + group.mask(sliding_window)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    scores = scores + group.mask(sliding_window)  # [B, KV, G, L]
+    probs = _softmax(scores.unsqueeze(-2), sinks).squeeze(-2).to(values.dtype)
     return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
 
 
 def _grouped_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, softcap: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention in plain matmuls, for what SDPA cannot express (soft-capping).
+    """Attention in plain matmuls, for what SDPA cannot express (soft-capping, sinks).
     q: [1, H, n, D]; k, v: [1, H_kv, L, D]; visible: [n, L]. Returns [1, H, n, D]."""
     _, num_heads, n, head_dim = q.shape
     kv_heads = k.shape[1]
     qg = q[0].reshape(kv_heads, num_heads // kv_heads, n, head_dim)
     scores = _softmax_scores(torch.matmul(qg, k[0].unsqueeze(1).transpose(-1, -2)), scaling, softcap)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    scores = scores.masked_fill(~visible, float("-inf"))  # [KV, G, n, L]
+    probs = _softmax(scores, sinks).to(v.dtype)
     return torch.matmul(probs, v[0].unsqueeze(1)).reshape(1, num_heads, n, head_dim)

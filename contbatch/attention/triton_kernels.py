@@ -5,6 +5,9 @@ with an online softmax, so no gathered copy of a request's keys is ever made. Ev
 is read from device memory inside the kernel and each launch grid depends only on batch
 shapes, so a launch can be captured in a CUDA graph and replayed for any lengths.
 
+Attention sinks (one logit per query head that joins the softmax denominator and carries no
+value) start each row's online softmax: running max = the sink, running sum = 1.
+
 Only long-standing Triton features are used (masked loads/stores, `tl.dot`, dynamic `range`
 bounds, constexpr specialisation): the kernels must compile on older Triton releases than
 the one they are tested with. Importing this module needs no GPU; under
@@ -83,12 +86,13 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr, sink_ptr,
                    stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
                    stride_bt, stride_ob, stride_oh, scale, softcap, window,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
     """One program per (request, kv head). The GROUP query heads sharing the kv head are
     the rows of one `tl.dot`, padded to BLOCK_H >= 16: each K/V tile is loaded once for the
     whole group, and the products run on tensor cores for half-precision caches (for fp32,
@@ -110,6 +114,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if USE_SINKS:
+        m_i = tl.load(sink_ptr + heads, mask=h_ok, other=-1.0e30).to(tl.float32)
+        l_i = tl.where(h_ok, 1.0, 0.0)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
@@ -124,11 +131,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr,
 
 @triton.jit
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_ptr, tile_start_ptr, out_ptr,
-                   stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                   sink_ptr, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
                    stride_bt, stride_ot, stride_oh, scale, softcap, window,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
     """One program per (query tile, query head). The tile map is an input rather than
     derived from the program id so the grid stays fixed (padding tiles are -1 and exit)."""
     tile = tl.program_id(0)
@@ -156,6 +164,9 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     kvh = (h // GROUP).to(tl.int64)
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
@@ -230,7 +241,17 @@ def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, 
     return num_heads // kv_heads, head_dim, max(_MIN_DOT, triton.next_power_of_2(head_dim))
 
 
-def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None) -> dict:
+def _sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The sink logits as a contiguous [H] tensor (q itself stands in as an unread pointer)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [H] = [{q.shape[1]}], got {tuple(sinks.shape)}")
+    return sinks.contiguous()
+
+
+def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None,
+            sinks: torch.Tensor | None = None) -> dict:
     """Specialise on the features in use, so layers without a window or cap pay nothing for
     them (block_size is a constexpr too: fixed per engine, and slot arithmetic by a
     constant divisor compiles to shifts or multiplies). fp32 products run in "ieee"
@@ -238,6 +259,7 @@ def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None) 
     moot and "tf32" is the NVIDIA default, spelled out because a constexpr None is not
     treated as "default" by every Triton release."""
     return dict(BLOCK_N=BLOCK_N, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+                USE_SINKS=sinks is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=type(_decode_kernel).__name__ == "InterpretedFunction" and q.dtype != torch.float32)
 
@@ -245,9 +267,11 @@ def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None) 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           out: torch.Tensor | None = None, *, block_size: int) -> torch.Tensor:
+                           out: torch.Tensor | None = None, *, block_size: int,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per request (at position kv_lens[b] - 1) over its paged
-    keys. q, out: [B, H, D]; caches: [H_kv, slots, D] views of any strides (unit last).
+    keys. q, out: [B, H, D]; caches: [H_kv, slots, D] views of any strides (unit last);
+    sinks: [H] or None.
     The grid is (B, H_kv) whatever the lengths, so the launch is CUDA-graph capturable."""
     if q.dim() != 3 or kv_lens.shape != (q.shape[0],) or block_table.shape[0] != q.shape[0]:
         raise ValueError("decode expects q [B, H, D], kv_lens [B] and block_table [B, max_blocks]")
@@ -258,13 +282,13 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if q.shape[0] == 0:
         return out
     _decode_kernel[(q.shape[0], key_cache.shape[0])](
-        q, key_cache, value_cache, block_table, kv_lens, out,
+        q, key_cache, value_cache, block_table, kv_lens, out, _sinks(q, sinks),
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(sliding_window or 0),
         BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        **_consts(q, sliding_window, softcap))
+        **_consts(q, sliding_window, softcap, sinks))
     return out
 
 
@@ -272,7 +296,8 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_table: torch.Tensor, kv_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            tile_request: torch.Tensor, tile_start: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           out: torch.Tensor | None = None, *, block_size: int) -> torch.Tensor:
+                           out: torch.Tensor | None = None, *, block_size: int,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flattened mixed step (prompt chunks and decode rows) over the
     paged cache, whose K/V already include this step's tokens. The tile map comes from
     `varlen_tiles`; rows owned by no tile (padding past cu_seqlens_q[-1]) are not written."""
@@ -288,10 +313,10 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if tile_request.shape[0] == 0 or q.shape[0] == 0:
         return out
     _varlen_kernel[(tile_request.shape[0], q.shape[1])](
-        q, key_cache, value_cache, block_table, kv_lens, cu_seqlens_q, tile_request, tile_start, out,
+        q, key_cache, value_cache, block_table, kv_lens, cu_seqlens_q, tile_request, tile_start, out, _sinks(q, sinks),
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(sliding_window or 0),
         BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=VARLEN_BLOCK_M, BLOCK_D=block_d,
-        **_consts(q, sliding_window, softcap))
+        **_consts(q, sliding_window, softcap, sinks))
     return out

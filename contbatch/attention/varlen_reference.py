@@ -4,7 +4,8 @@ It is both the oracle the kernels are tested against and the CPU backend of the 
 it computes in float32 throughout (whatever the cache dtype: the reference must not round
 scores to bf16) and avoids per-token Python work: decode rows are batched in groups of
 similar key length, prompt chunks run one request at a time in bounded query chunks.
-Needs no triton.
+Attention sinks (`sinks`, one logit per query head) join each softmax as one more column
+that is dropped afterwards. Needs no triton.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """n independent requests of c query rows each: q [n, c, H, D], k and v [H_kv, n, W, D],
     visible [n, c, W]; returns [n, c, H, D] in float32. One bmm per kv head, its query heads
     folded into the rows, so K/V are never repeated for grouped-query attention."""
@@ -57,7 +58,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(kv_heads, n, rows, group, width)
     scores.masked_fill_(~visible[None, :, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(kv_heads, n, rows * group, width)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(kv_heads, 1, 1, group, 1).expand(kv_heads, n, rows, group, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].contiguous()
+    probs = probs.view(kv_heads, n, rows * group, width)
     out = q.new_empty(n, rows, kv_heads, group, head_dim, dtype=torch.float32)
     for h in range(kv_heads):
         out[:, :, h] = torch.bmm(probs[h], v[h]).view(n, rows, group, head_dim)
@@ -66,7 +72,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 
 def _decode_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  kv_lens: list[int], scale: float, sliding_window: int | None, softcap: float | None,
-                 block_size: int, out: torch.Tensor) -> None:
+                 block_size: int, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """Single-query rows, written into out ([N, H, D]). Rows with no keys become zeros."""
     n_rows = q.shape[0]
     starts = [max(0, n - sliding_window) if sliding_window is not None else 0 for n in kv_lens]
@@ -91,13 +97,13 @@ def _decode_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         pos = torch.minimum(pos, lens[:, None] - 1)  # padding keys re-read a real slot, masked
         slots = _slots(block_table[idx], pos, block_size)
         o = _attend(q[idx][:, None], _gather(key_cache, slots), _gather(value_cache, slots), visible[:, None],
-                    scale, softcap)
+                    scale, softcap, sinks)
         out[idx] = o[:, 0].to(out.dtype)
 
 
 def _chunk_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table_row: torch.Tensor,
                 kv_len: int, scale: float, sliding_window: int | None, softcap: float | None,
-                block_size: int) -> torch.Tensor:
+                block_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """All query rows ([n, H, D]) of one request, the last n of its kv_len positions, in
     chunks of at most _QUERY_CHUNK rows (each over only the keys it can see)."""
     n = q.shape[0]
@@ -111,19 +117,20 @@ def _chunk_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         slots = _slots(table_row, k_pos, block_size)[None]
         visible = visible_keys(q_pos[:, None], k_pos[None, :], sliding_window)
         result[c0:c1] = _attend(q[None, c0:c1], _gather(key_cache, slots), _gather(value_cache, slots),
-                                visible[None], scale, softcap)[0]
+                                visible[None], scale, softcap, sinks)[0]
     return result
 
 
 def reference_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, softcap: float | None = None,
-                               out: torch.Tensor | None = None, *, block_size: int) -> torch.Tensor:
+                               out: torch.Tensor | None = None, *, block_size: int,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `triton_kernels.paged_decode_attention`."""
     if out is None:
         out = torch.empty_like(q)
     _decode_rows(q, key_cache, value_cache, block_table, kv_lens.tolist(), scale, sliding_window, softcap,
-                 block_size, out)
+                 block_size, out, sinks)
     return out
 
 
@@ -132,7 +139,7 @@ def reference_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
                                tile_request: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
                                scale: float | None = None, sliding_window: int | None = None,
                                softcap: float | None = None, out: torch.Tensor | None = None, *,
-                               block_size: int) -> torch.Tensor:
+                               block_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `triton_kernels.paged_varlen_attention`; the tile map is accepted
     (so the two are interchangeable) but not needed. Rows past cu_seqlens_q[-1] are left
     as they are (zeros when out is allocated here). Single-row requests take the batched
@@ -148,10 +155,10 @@ def reference_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         dec = torch.empty(len(single), *q.shape[1:], dtype=q.dtype, device=q.device)
         _decode_rows(q[rows], key_cache, value_cache, block_table[single], [lens[b] for b in single], scale,
-                     sliding_window, softcap, block_size, dec)
+                     sliding_window, softcap, block_size, dec, sinks)
         out[rows] = dec
     for b in range(len(lens)):
         if cu[b + 1] - cu[b] > 1:
             out[cu[b]:cu[b + 1]] = _chunk_rows(q[cu[b]:cu[b + 1]], key_cache, value_cache, block_table[b], lens[b],
-                                               scale, sliding_window, softcap, block_size).to(out.dtype)
+                                               scale, sliding_window, softcap, block_size, sinks).to(out.dtype)
     return out

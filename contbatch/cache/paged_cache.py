@@ -23,16 +23,27 @@ from .block_manager import BlockManager, blocks_for
 logger = logging.getLogger("contbatch")
 
 RESERVED_BLOCKS = 2
+# Models whose attention function receives K/V already repeated to every query head, so the
+# cache holds as many KV heads as query heads (JetMoE's mixture of attention heads repeats
+# its K/V once per active expert). The engine's start-up probe checks every layout against
+# the shapes the attention calls actually receive.
+KV_HEADS_ARE_QUERY_HEADS = {"jetmoe"}
+# Models whose layers call attention more than once per forward, on the same keys and different
+# values (DiffLlama's differential attention: two softmaxes, one per half of V): each call
+# keeps its own K/V in the cache, as one more cache layer.
+ATTENTION_CALLS_PER_LAYER = {"diffllama": 2}
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of the model's KV: what one block costs."""
+    """Shape of the model's KV: what one block costs. `num_layers` counts cache layers: the
+    model's layers times `calls_per_layer` (attention calls of each layer per forward)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    calls_per_layer: int = 1
 
     def bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -43,8 +54,11 @@ class KVLayout:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if getattr(text, "model_type", None) in KV_HEADS_ARE_QUERY_HEADS:
+            kv_heads = heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+        calls = ATTENTION_CALLS_PER_LAYER.get(getattr(text, "model_type", None), 1)
+        return cls(text.num_hidden_layers * calls, kv_heads, head_dim, dtype, calls)
 
 
 def solve_num_blocks(

@@ -25,6 +25,7 @@ from ..cache.offload import HostKVTier
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
 from ..config import ResolvedConfig
 from ..requests import RequestState, RequestStatus
+from ..sampling.grammar import GrammarRejected, wait_for_grammars
 from ..scheduling.scheduler import SCHEDULER_MAPPING, StepPlan
 from ..models import cache_dir
 from .buckets import Bucketing
@@ -83,6 +84,7 @@ class EngineCore:
         t0 = time.perf_counter()
         prev, step = self.inflight, None
         plan = self.scheduler.schedule()
+        self._check_grammars(plan, idle=prev is None)
         with self.runner.streams.on("compute"):  # after any in-flight step's writes, in stream order
             self._move_kv(plan)
         if plan.chunks:
@@ -111,6 +113,17 @@ class EngineCore:
                 self._apply(step)
         self.steps += 1 if plan.chunks else 0
         self.step_seconds += time.perf_counter() - t0
+
+    def _check_grammars(self, plan: StepPlan, idle: bool) -> None:
+        """Structured output: a request whose grammar failed to compile ends before it takes a
+        row; with nothing to run at all, wait for a grammar being compiled, not spin."""
+        failed = [c.state for c in plan.chunks if c.state.grammar is not None and c.state.grammar.error]
+        for state in failed:
+            self.retire(state, RequestStatus.FAILED, state.grammar.error)
+        if failed:
+            plan.chunks = [c for c in plan.chunks if not c.state.status.is_done]
+        if idle and not plan.chunks:
+            wait_for_grammars(self.scheduler.waiting, timeout=0.01)
 
     def _move_kv(self, plan: StepPlan) -> None:
         # Offloaded blocks may already be promised to others: copy out before anything else.
@@ -150,6 +163,13 @@ class EngineCore:
                                                          "dtype and its weights")
                 continue
             state.set_token(index, token)
+            if state.grammar is not None:
+                try:
+                    if state.grammar.advance(token) and state.finish_reason != "stop":
+                        state.finish(RequestStatus.FINISHED, "stop")  # the grammar has reached its end
+                except GrammarRejected as exc:
+                    self.retire(state, RequestStatus.FAILED, str(exc))
+                    continue
             state.weight_version = self.weight_version
             if state.token_versions is not None:
                 state.token_versions.append(self.weight_version)

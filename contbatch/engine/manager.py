@@ -33,6 +33,7 @@ from .resolve import describe, resolve_config
 from .results import ResultStore
 from .stopping import stop_defaults
 from .submission import RequestBuilder
+from .support import check_model_support
 from .threads import release_openmp_pool
 
 logger = logging.getLogger("contbatch")
@@ -51,6 +52,7 @@ class ContinuousBatchingManager:
     ) -> None:
         self.model = model
         self.config = config or ContinuousBatchingConfig()
+        check_model_support(model, self.config)  # a model it cannot run exactly is refused here (ValueError)
         self.defaults = stop_defaults(model, generation_config)
         self.resolved_config: ResolvedConfig
         self.resolved_config, layout = resolve_config(self.config, model)
@@ -212,6 +214,9 @@ class ContinuousBatchingManager:
         later tokens use the new weights) or end cancelled (`"abort"`); their outputs list
         the version of each token in `weight_versions`."""
         check_inflight(inflight)
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise RuntimeError("update_weights() cannot run in a result handler (the engine thread is mid-step): "
+                               "call pause() there and update from another thread")
         pairs = weight_pairs(self.model, weights) if weights is not None else []
         was_paused = self._paused
         self.pause(timeout)

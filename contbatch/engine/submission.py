@@ -7,6 +7,7 @@ can reach the engine thread or disturb another request.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -15,6 +16,7 @@ import torch
 from ..cache.block_manager import blocks_for
 from ..config import ResolvedConfig
 from ..requests import RequestState
+from ..sampling.grammar import GrammarCompiler
 from ..sampling.params import SamplingParams, is_integer
 from .detokenizer import IncrementalDetokenizer
 from .stopping import StopDefaults
@@ -56,6 +58,8 @@ class RequestBuilder:
         self.defaults = defaults
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        self._grammars_lock = threading.Lock()
 
     def build(
         self,
@@ -71,6 +75,7 @@ class RequestBuilder:
         params = self._params(sampling_params, max_new_tokens)
         self._check_fits(len(prompt), params.max_new_tokens)
         eos = self._stop_ids(params, eos_token_id)
+        compiler = self.grammar_compiler() if params.structured_output is not None else None
         rid = request_id if request_id is not None else f"req_{uuid.uuid4().hex[:12]}"
         states: list[RequestState] = []
         for i in range(params.n):
@@ -91,6 +96,7 @@ class RequestBuilder:
                     index=i,
                     leader=states[0] if i else None,
                     parent_id=rid,
+                    grammar=compiler.state(params.structured_output, eos) if compiler else None,
                 )
             )
         return states
@@ -111,6 +117,8 @@ class RequestBuilder:
         params = params.resolve(self.defaults.generation_config, self.defaults.max_new_tokens)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the manager or generate_batch")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer: pass tokenizer= to the manager or generate_batch")
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
@@ -118,6 +126,14 @@ class RequestBuilder:
         if self.resolved.return_logprobs and not params.logprobs:
             params = dataclasses.replace(params, logprobs=True)
         return params
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler for this tokenizer and vocabulary, built once (by whichever thread
+        submits the first structured request)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.defaults.eos_token_ids))
+            return self._grammars
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
         r = self.resolved

@@ -1,4 +1,5 @@
 from .params import MAX_TOP_LOGPROBS, SamplingParams
 from .sampler import SampleRequest, SampleResult, Sampler
+from .structured import StructuredOutput
 
-__all__ = ["MAX_TOP_LOGPROBS", "SampleRequest", "SampleResult", "Sampler", "SamplingParams"]
+__all__ = ["MAX_TOP_LOGPROBS", "SampleRequest", "SampleResult", "Sampler", "SamplingParams", "StructuredOutput"]

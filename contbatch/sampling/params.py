@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .structured import StructuredOutput
+
 MAX_TOP_LOGPROBS = 20
 # Bounds that keep a step's per-request work small: a request may not make every other
 # request's steps slow (one list entry costs work in every step it runs).
@@ -61,6 +63,11 @@ class SamplingParams:
     logprobs: bool = False  # log-probability of each chosen token
     top_logprobs: int = 0  # and of the k most likely tokens, k <= 20
     skip_special_tokens: bool = True
+    # Constrains the output to a JSON schema, a regex, a choice or a grammar (`structured.py`).
+    # The grammar decides where the output ends: reaching its end finishes the request with
+    # "stop" (min_new_tokens does not hold it back), and logprobs are those of the masked
+    # distribution (tokens the grammar forbids have probability 0).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -127,6 +134,9 @@ class SamplingParams:
         integer("seed", -(2**63), 2**63 - 1, optional=True)
         integer("n", 1)
         integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            fail("structured_output must be a StructuredOutput(json=..., regex=..., choice=..., grammar=... or "
+                 f"json_object=True), got {type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +154,7 @@ class SamplingParams:
             and not self.frequency_penalty
             and not self.min_new_tokens
             and not self.wants_logprobs
+            and self.structured_output is None
         )
 
     @property

@@ -2,9 +2,10 @@
 
 Each processor runs only over the rows that use it, as tensor operations over those rows (no
 Python loop per token; a loop per request only to collect its parameters and token history,
-and to draw seeded noise). Processors follow `transformers`' definitions and order, so that
-each matches its `LogitsProcessor` namesake: logit bias, repetition penalty, presence and
-frequency penalties, min-new-tokens, then temperature, top-k, top-p, min-p.
+and to draw seeded noise). Structured-output masks come first (`grammar.py`: one batched
+bitmask); the rest follow `transformers`' definitions and order, so that each matches its
+`LogitsProcessor` namesake: logit bias, repetition penalty, presence and frequency penalties,
+min-new-tokens, then temperature, top-k, top-p, min-p.
 
 Sampling is an exponential race, `argmax(p / E)` with `E ~ Exp(1)`, which draws from `p`
 exactly. A seeded request draws its noise from a generator keyed by (seed, position), so its
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from ..faults import inject
+from .grammar import GrammarMasks, GrammarState
 from .params import SamplingParams
 
 
@@ -31,6 +33,7 @@ class SampleRequest:
     prompt_ids: list[int]
     generated: list[int]
     stop_ids: frozenset[int]  # masked while fewer than min_new_tokens are generated
+    grammar: GrammarState | None = None  # structured output: the row's matcher
 
 
 @dataclass
@@ -119,7 +122,9 @@ def _ids(ids: frozenset[int]) -> torch.Tensor:
 
 
 def apply_min_new_tokens(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
-    parts = [(i, _ids(r.stop_ids)) for i, r in enumerate(reqs) if len(r.generated) < r.params.min_new_tokens and r.stop_ids]
+    # A grammar decides where its output ends: masking its stop tokens could leave no token.
+    parts = [(i, _ids(r.stop_ids)) for i, r in enumerate(reqs)
+             if len(r.generated) < r.params.min_new_tokens and r.stop_ids and r.grammar is None]
     if not parts:
         return
     rows, cols = _cat_rows(parts, logits.device)
@@ -187,6 +192,7 @@ class Sampler:
             self._rng.manual_seed(seed)
         else:
             self._rng.seed()
+        self.grammar_masks = GrammarMasks()
 
     def _noise(self, reqs: list[SampleRequest], vocab: int, device) -> torch.Tensor:
         noise = torch.empty(len(reqs), vocab).exponential_(generator=self._rng)
@@ -198,15 +204,17 @@ class Sampler:
 
     def sample_states(self, logits: torch.Tensor, states) -> SampleResult:
         """Sample for engine request states (`params`, `prompt_ids`, `known_tokens`,
-        `eos_token_ids`); plain greedy rows, the common case, skip building any history."""
+        `eos_token_ids`, `grammar`); plain greedy rows, the common case, skip building any history."""
         inject("sampler")
         if all(s.params.plain_greedy for s in states):
             tokens = logits.argmax(dim=-1)
             return SampleResult(tokens, ok=_finite_at(logits, tokens))
-        return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids) for s in states])
+        return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids, s.grammar)
+                             for s in states])
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         logits = logits.float()
+        self.grammar_masks.apply(logits, reqs)
         apply_logit_bias(logits, reqs)
         apply_repetition_penalty(logits, reqs)
         apply_presence_frequency(logits, reqs)

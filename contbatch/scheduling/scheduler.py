@@ -171,9 +171,10 @@ class Scheduler:
         for state in self.waiting:
             if tokens_left <= 0 or len(plan.chunks) >= self.max_requests_per_batch:
                 break
-            # Only these step aside: siblings of an n > 1 request (to share its prompt), and
-            # requests preempted with their last token still in flight (they end when it lands).
-            if _waits_for_sibling(state) or state.exhausted:
+            # Only these step aside: siblings of an n > 1 request (to share its prompt),
+            # requests preempted with their last token still in flight (they end when it lands),
+            # and requests whose structured-output grammar is still compiling.
+            if _waits_for_sibling(state) or state.exhausted or (state.grammar is not None and not state.grammar.ready):
                 continue
             if plan.chunks and bm.num_free_blocks < reserve:
                 plan.held_by_margin = len(self.waiting) - len(admitted)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..config import ResolvedConfig
 from ..sampling.params import SamplingParams
+from ..sampling.structured import StructuredOutput
 from .errors import APIError, bad_request
 from .schemas import SamplingFields
 
@@ -74,8 +75,40 @@ def max_new_tokens(
     return requested
 
 
+def structured_output(req: SamplingFields) -> StructuredOutput | None:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` (not both), checked in full
+    here: a schema, regex or grammar the backend cannot enforce is a 400 naming the problem.
+    Built once per request (a completion with several prompts shares it)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type == "text":
+        fmt = None
+    if fmt is not None and so is not None:
+        raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None:
+        param = "response_format"
+        if fmt.type == "json_object":
+            if fmt.json_schema is not None:
+                raise bad_request("response_format.json_schema needs type 'json_schema'", param)
+            spec = {"json_object": True}
+        elif fmt.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs a json_schema object", param)
+        else:
+            schema = fmt.json_schema.schema_
+            spec = {"json_object": True} if schema is None else {"json": schema}
+    elif so is not None:
+        param = "structured_outputs"
+        spec = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None and v is not False}
+    else:
+        return None
+    try:
+        return StructuredOutput(**spec)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
 def sampling_params(
-    req: SamplingFields, limits: Limits, max_tokens: int, logprobs: bool, top_logprobs: int, max_n: int
+    req: SamplingFields, limits: Limits, max_tokens: int, logprobs: bool, top_logprobs: int, max_n: int,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """Every accepted field, mapped; the engine validates the rest and raises ValueError."""
     if req.n > max_n:
@@ -114,6 +147,7 @@ def sampling_params(
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_output=structured,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..sampling.params import SamplingParams
 from .errors import APIError, bad_request, describe_validation_error
-from .params import Limits, max_new_tokens, sampling_params
+from .params import Limits, max_new_tokens, sampling_params, structured_output
 from .prompts import Prompt, chat_prompt, completion_prompts, decode
 from .schemas import (
     ChatCompletionRequest,
@@ -71,11 +71,12 @@ class Preparer:
             raise bad_request("echo with logprobs needs prompt logprobs, which this engine does not compute; "
                               "drop one of them", "echo")
         prompts = completion_prompts(self.tokenizer, req.prompt, req.add_special_tokens)
+        structured = structured_output(req)
         params = [
             sampling_params(
                 req, self.limits,
                 max_new_tokens(req.max_tokens, 16, len(p.token_ids), self.limits, "max_tokens", "prompt"),
-                req.logprobs is not None, req.logprobs or 0, self.settings.max_n,
+                req.logprobs is not None, req.logprobs or 0, self.settings.max_n, structured,
             )
             for p in prompts
         ]
@@ -90,7 +91,8 @@ class Preparer:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = max_new_tokens(requested, None, len(prompt.token_ids), self.limits, param, "messages")
-        params = sampling_params(req, self.limits, budget, req.logprobs, req.top_logprobs or 0, self.settings.max_n)
+        params = sampling_params(req, self.limits, budget, req.logprobs, req.top_logprobs or 0, self.settings.max_n,
+                                 structured_output(req))
         return Prepared(req, [prompt], [params])
 
     def tokenize(self, body: bytes) -> dict:

@@ -1,18 +1,19 @@
 """Request bodies of the OpenAI-compatible routes, as strict pydantic models.
 
 Every model forbids unknown fields: a parameter this server would not honour (tools, best_of
-above n, json mode, ...) is rejected with a 400 naming it, never silently ignored. Fields that
+above n, ...) is rejected with a 400 naming it, never silently ignored. Fields that
 change nothing about generation (`user`, `metadata`, `store`, ...) are accepted, as OpenAI's
 own clients send them. Values are strict (no "1.0" strings for numbers) and finite.
 
 The vLLM extensions that a sampling engine can honour are accepted too: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, add_special_tokens, add_generation_prompt, continue_final_message.
+skip_special_tokens, add_special_tokens, add_generation_prompt, continue_final_message, and
+`structured_outputs` (json, regex, choice, grammar), beside OpenAI's `response_format`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +29,30 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # constrained decoding enforces the schema either way
+
+
+class ResponseFormat(Strict):
+    """OpenAI's: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(Strict):
@@ -52,6 +77,8 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Accepted and ignored: they change nothing about what is generated.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -80,17 +107,12 @@ class ChatMessage(Strict):
     name: str | None = None
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"]  # json_object / json_schema would need constrained decoding
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools, which are rejected
     add_generation_prompt: bool = True
     continue_final_message: bool = False
