@@ -54,7 +54,9 @@ def test_whole_step_traces_without_a_graph_break(default_model):
     fullgraph=True turns any break into an error. Chat prompts, exact against generate."""
     model, tok = default_model
     eager = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
-    config = ContinuousBatchingConfig(block_size=16, decode_compile_config=eager, varlen_compile_config=eager)
+    # Linear layers routed to oneDNN too (engine/cpu_linear.py): the routing must not break the graph.
+    config = ContinuousBatchingConfig(block_size=16, decode_compile_config=eager, varlen_compile_config=eager,
+                                      cpu_linear_kernel="onednn")
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for q in ("What is the capital of France?", "Say hi.")]
     with continuous_batching(model, GenerationConfig(max_new_tokens=6, do_sample=False), config) as m:

@@ -118,7 +118,8 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
 
 def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     route = self._contbatch_route
-    if ops.in_step() and not torch.compiler.is_compiling() and input.dtype == torch.float32:
+    # is_compiling() first: Dynamo folds it to True and never traces the thread-local read.
+    if not torch.compiler.is_compiling() and ops.in_step() and input.dtype == torch.float32:
         if route[input.numel() >= SMALL_ROWS * self.in_features]:
             return onednn_linear(input, self.weight, self.bias)
     return torch.nn.Linear.forward(self, input)
