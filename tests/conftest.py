@@ -109,3 +109,29 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int, eos_token_
     finally:
         model.generation_config.eos_token_id = saved
     return out[0, len(prompt) :].tolist()
+
+
+def dense_attention(q, k, v, table, kv_len, block_size, scale, window, softcap, sinks=None):
+    """Paged attention written out densely in float64, independently of every backend: keys
+    gathered position by position through one request's block table, grouped-query heads
+    repeated, the causal (and windowed) mask spelled out, and attention sinks (one logit per
+    query head) appended as one more score column and dropped after the softmax.
+    q: [n, H, D] (the request's last n positions); k, v: [H_kv, slots, D]. Returns [n, H, D]."""
+    n, heads = q.shape[0], q.shape[1]
+    slots = [int(table[p // block_size]) * block_size + p % block_size for p in range(kv_len)]
+    rep = heads // k.shape[0]
+    kk = k[:, slots].double().repeat_interleave(rep, 0)
+    vv = v[:, slots].double().repeat_interleave(rep, 0)
+    scores = torch.einsum("nhd,hkd->hnk", q.double(), kk) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(kv_len - n, kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
+    scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, -1)
+    else:
+        sink = sinks.double().view(heads, 1, 1).expand(heads, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return torch.einsum("hnk,hkd->nhd", probs, vv)

@@ -17,24 +17,7 @@ pytest.importorskip("triton")
 from contbatch.attention import triton_kernels as tk  # noqa: E402
 from contbatch.attention.varlen_reference import reference_decode_attention, reference_varlen_attention  # noqa: E402
 
-
-def _dense_with_sinks(q, k, v, table, kv_len, block_size, scale, window, softcap, sinks):
-    """float64, keys gathered one by one, the sink appended as one more score column."""
-    n, heads = q.shape[0], q.shape[1]
-    slots = [int(table[p // block_size]) * block_size + p % block_size for p in range(kv_len)]
-    rep = heads // k.shape[0]
-    kk = k[:, slots].double().repeat_interleave(rep, 0)
-    vv = v[:, slots].double().repeat_interleave(rep, 0)
-    scores = torch.einsum("nhd,hkd->hnk", q.double(), kk) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    q_pos = torch.arange(kv_len - n, kv_len)[:, None]
-    k_pos = torch.arange(kv_len)[None, :]
-    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
-    scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
-    sink = sinks.double().view(heads, 1, 1).expand(heads, n, 1)
-    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
-    return torch.einsum("hnk,hkd->nhd", probs, vv)
+from conftest import dense_attention  # noqa: E402
 
 
 # (block_size, heads, kv_heads, head_dim, window, softcap, dtype)
@@ -66,7 +49,8 @@ def test_decode_with_sinks(block_size, heads, kv_heads, head_dim, window, softca
     assert not torch.allclose(ref[1:].float(), plain[1:].float(), atol=1e-3)  # the sinks mattered
     for b, n in enumerate(kv_lens):
         if n:
-            dense = _dense_with_sinks(q[b : b + 1], k, v, table[b].cpu(), n, block_size, scale, window, softcap, sinks)
+            dense = dense_attention(q[b : b + 1], k, v, table[b].cpu(), n, block_size, scale, window, softcap,
+                                    sinks=sinks)
             torch.testing.assert_close(ref[b : b + 1].double(), dense, **TOL[dtype])
 
 
@@ -90,7 +74,7 @@ def test_varlen_with_sinks(block_size, heads, kv_heads, head_dim, window, softca
     torch.testing.assert_close(out, ref, **TOL[dtype])
     for b, (n, kv) in enumerate(reqs):
         rows = slice(cu_list[b], cu_list[b + 1])
-        dense = _dense_with_sinks(q[rows], k, v, table[b].cpu(), kv, block_size, scale, window, softcap, sinks)
+        dense = dense_attention(q[rows], k, v, table[b].cpu(), kv, block_size, scale, window, softcap, sinks=sinks)
         torch.testing.assert_close(ref[rows].double(), dense, **TOL[dtype])
 
 

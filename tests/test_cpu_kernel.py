@@ -10,30 +10,10 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, gener
 from contbatch.attention import backend as backend_mod
 from contbatch.attention import cpu_kernel
 
-from conftest import random_prompts, reference_generate
+from conftest import dense_attention, random_prompts, reference_generate
 
 AVAILABLE, HOW = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU kernel: {HOW}")
-
-
-def _reference(q, k, v, table, lens, sinks, bs, scale, window, cap):
-    rows, heads, dim = q.shape
-    kv_heads = k.shape[0]
-    out = torch.empty(rows, heads, dim)
-    for b in range(rows):
-        n = int(lens[b])
-        pos = torch.arange(n)
-        slots = table[b, pos // bs].long() * bs + pos % bs
-        s = torch.einsum("hgd,hld->hgl", q[b].float().view(kv_heads, -1, dim), k[:, slots].float()) * scale
-        if cap:
-            s = torch.tanh(s / cap) * cap
-        if window:
-            s[..., : max(0, n - window)] = float("-inf")
-        if sinks is not None:
-            s = torch.cat([s, sinks.view(kv_heads, -1, 1)], -1)
-        p = s.softmax(-1)[..., :n]
-        out[b] = torch.einsum("hgl,hld->hgd", p, v[:, slots].float()).reshape(heads, dim)
-    return out
 
 
 @needs_kernel
@@ -52,9 +32,10 @@ def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_maj
     lens = torch.tensor([1, 2, 3, 4, 5, 17, 31, 32, 9], dtype=torch.int32)
     sinks = torch.randn(heads, generator=gen) if with_sinks else None
     out = cpu_kernel.paged_decode(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
-    ref = _reference(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
+    ref = torch.cat([dense_attention(q[b : b + 1], k, v, table[b], int(n), bs, 0.3, window, cap, sinks)
+                     for b, n in enumerate(lens)])
     assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @needs_kernel

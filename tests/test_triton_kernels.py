@@ -31,6 +31,8 @@ pytest.importorskip("triton")
 from contbatch.attention import triton_kernels as tk  # noqa: E402
 from contbatch.attention.varlen_reference import reference_decode_attention, reference_varlen_attention  # noqa: E402
 
+from conftest import dense_attention  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -59,23 +61,6 @@ def _setup(kv_lens: list[int], block_size: int, heads: int, kv_heads: int, head_
     table = perm.view(len(kv_lens), max_blocks).to(DEVICE, torch.int32)
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     return k, v, table, lens, gen
-
-
-def _dense(q, k, v, table, kv_len, block_size, scale, window, softcap):
-    """float64, keys gathered position by position, GQA by repeating heads, mask written out."""
-    n, heads = q.shape[0], q.shape[1]
-    slots = [int(table[p // block_size]) * block_size + p % block_size for p in range(kv_len)]
-    rep = heads // k.shape[0]
-    kk = k[:, slots].double().repeat_interleave(rep, 0)
-    vv = v[:, slots].double().repeat_interleave(rep, 0)
-    scores = torch.einsum("nhd,hkd->hnk", q.double(), kk) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    q_pos = torch.arange(kv_len - n, kv_len)[:, None]
-    k_pos = torch.arange(kv_len)[None, :]
-    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
-    probs = torch.softmax(scores.masked_fill(~visible.to(q.device), float("-inf")), -1)
-    return torch.einsum("hnk,hkd->nhd", probs, vv)
 
 
 # (block_size, heads, kv_heads, head_dim, window, softcap, layout, dtype)
@@ -108,7 +93,7 @@ def test_decode(block_size, heads, kv_heads, head_dim, window, softcap, layout, 
     torch.testing.assert_close(out, ref, **TOL[dtype])
     for b, n in enumerate(kv_lens):
         if n:
-            dense = _dense(q[b : b + 1], k, v, table[b].cpu(), n, block_size, scale, window, softcap)
+            dense = dense_attention(q[b : b + 1], k, v, table[b].cpu(), n, block_size, scale, window, softcap)
             torch.testing.assert_close(ref[b : b + 1].double(), dense, **TOL[dtype])
 
 
@@ -143,7 +128,7 @@ def test_varlen(block_size, heads, kv_heads, head_dim, window, softcap, layout, 
     for b, (n, kv) in enumerate(reqs):
         if n:
             rows = slice(cu_list[b], cu_list[b + 1])
-            dense = _dense(q[rows], k, v, table[b].cpu(), kv, block_size, scale, window, softcap)
+            dense = dense_attention(q[rows], k, v, table[b].cpu(), kv, block_size, scale, window, softcap)
             torch.testing.assert_close(ref[rows].double(), dense, **TOL[dtype])
 
 

@@ -213,7 +213,8 @@ class EngineCore:
         """The model's weights were replaced: bump the version, drop every cached prefix, and
         treat requests that already hold KV or tokens per `inflight` ("recompute": their KV
         is recomputed with the new weights; "keep": it stays, later tokens use the new
-        weights; "abort": they end cancelled). Call with no step in flight (`flush`)."""
+        weights; "abort": they end cancelled). The step in flight is applied first."""
+        self.flush()
         old = self.weight_version
         self.weight_version += 1
         sched = self.scheduler

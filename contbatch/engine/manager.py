@@ -255,7 +255,6 @@ class ContinuousBatchingManager:
         elif kind == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
         elif kind == "weights":
-            self.core.flush()
             return self.core.weights_changed(payload)
         return None
 
