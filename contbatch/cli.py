@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_options import add_device_arguments
+from .cli_options import add_device_arguments, add_ray_arguments
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",
@@ -52,6 +52,10 @@ def _encode(tokenizer, prompt, chat: bool) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.ray_replicas or args.ray_address:
+        from .ray.cli import cmd_generate_ray
+
+        return cmd_generate_ray(args)
     import torch
     from transformers import GenerationConfig
 
@@ -132,12 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     gen.add_argument("--quiet", action="store_true")
     add_device_arguments(gen)
+    add_ray_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     from .server.serve import add_arguments as add_serve_arguments
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model on 127.0.0.1:8000)")
     add_serve_arguments(serve)
+    add_ray_arguments(serve, serve=True)
     serve.set_defaults(func=_cmd_serve)
 
     from .bench.cli import add_arguments as add_bench_arguments
@@ -151,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray_replicas or args.ray_address:
+        from .ray.cli import cmd_serve_ray
+
+        return cmd_serve_ray(args)
     from .server.serve import cmd_serve
 
     return cmd_serve(args)
