@@ -10,6 +10,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Headless Chromium for tests/test_browser.py, from the distribution (Playwright drives it).
+	command -v chromium >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, from the local CPU wheel, so no dependency can pull another build.
 	$(PY) -m pip install -q torch==2.13.0
@@ -21,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# The OpenAI-compatible server on the embedded model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
+# The OpenAI-compatible server on the embedded model, at http://127.0.0.1:8000/v1, with the chat
+# playground at http://127.0.0.1:8000/ and the engine dashboard at /dashboard (Ctrl-C stops it).
 run: $(STAMP)
 	$(VENV)/bin/contbatch serve
 

@@ -11,7 +11,9 @@
     responses.py    JSON bodies and SSE streams (ResponseWriter), client disconnects
     formatting.py   OpenAI response shapes: choices, chunks, logprobs, usage
     metrics.py      Prometheus metrics, vLLM's names with a contbatch: prefix
-    gate.py         503 while draining, API keys, requests in flight
+    stats.py        the dashboard's JSON (GET /stats): engine history, recent requests
+    ui.py           the playground (GET /) and dashboard pages, from static/
+    gate.py         503 while draining, API keys (not for the pages), requests in flight
     errors.py       OpenAI's error shape for every failure
     draining.py     uvicorn with a drain phase on SIGTERM/SIGINT
     connections.py  uvicorn's h11 protocol with a header read timeout

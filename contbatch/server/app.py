@@ -29,6 +29,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .params import Limits
 from .preparation import Preparer
 from .settings import ServerSettings
+from .stats import EngineStats
+from .ui import add_ui_routes
 from .workers import WorkerPool
 
 
@@ -40,6 +42,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     state = ServerState(warm=manager.is_warm)
     metrics = ServerMetrics(manager.stats, resolved.num_blocks, settings.model_name, lambda: state.inflight)
     engine = AsyncEngine(manager, metrics)
+    stats = EngineStats(manager.stats, resolved.num_blocks, resolved.block_size, settings.model_name)
+    manager.register_result_handler(stats.on_output)
     writer = ResponseWriter(engine, tokenizer, lambda: state.draining)
     preparer = Preparer(tokenizer, limits, settings)
     pool = WorkerPool(settings.worker_threads, settings.max_queued_jobs)
@@ -49,7 +53,9 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     async def lifespan(_: FastAPI):
         if not manager.is_running():  # compiled steps warm up behind it: /health says so meanwhile
             await asyncio.to_thread(manager.start, wait_warm=False)
+        sampler = asyncio.create_task(stats.run())  # the dashboard's history (stats.py)
         yield
+        sampler.cancel()
         # Reached once the server has drained (or given up on draining): fail what is left.
         pool.close()
         await asyncio.to_thread(manager.stop, True)
@@ -110,6 +116,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
         return await pool.run(preparer.detokenize, await body(request))
 
     add_admin_routes(app, manager, settings.weights_dir, body)
+    add_ui_routes(app, stats)  # GET / (playground), /dashboard, /static/*, /stats
 
     # -- generation ----------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -17,7 +17,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import error_body
 
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
-UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})  # a scrape must not hold up a shutdown
+UNCOUNTED_PATHS = frozenset({"/health", "/metrics", "/stats"})  # a scrape or poll must not hold up a shutdown
+# The browser pages (ui.py): static files with no data, served without the key (a browser
+# cannot send one when it opens a page: the page asks for it) and while the engine warms up.
+PAGE_PATHS = frozenset({"/", "/dashboard"})
+STATIC_PREFIX = "/static/"
+
+
+def is_page(path: str) -> bool:
+    return path in PAGE_PATHS or path.startswith(STATIC_PREFIX)
 
 
 @dataclass
@@ -51,11 +59,12 @@ class Gate:
             await _reply(send, 503, "the server is shutting down and accepts no new requests",
                          "server_shutting_down", {"Retry-After": "5", "Connection": "close"})
             return
-        if self.api_keys and path not in UNAUTHENTICATED_PATHS and not self._authorized(scope):
+        page = is_page(path)
+        if self.api_keys and path not in UNAUTHENTICATED_PATHS and not page and not self._authorized(scope):
             await _reply(send, 401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             return
-        if path not in UNCOUNTED_PATHS and not self.state.warm():
+        if path not in UNCOUNTED_PATHS and not page and not self.state.warm():
             await _reply(send, 503, "the engine is compiling its steps and accepts requests once warm",
                          "engine_warming", {"Retry-After": "5"})
             return

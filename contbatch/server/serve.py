@@ -116,6 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "engine": manager.resolved_config.as_dict(),
     }
     print("contbatch serve: resolved configuration\n" + json.dumps(banner, indent=2), flush=True)
+    root = f"http://{args.host}:{args.port}"
+    print(f"contbatch serve: chat playground at {root}/ , engine dashboard at {root}/dashboard", flush=True)
 
     uv_config = uvicorn_config(
         app, settings.header_timeout_s, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
