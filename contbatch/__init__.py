@@ -8,6 +8,7 @@ from .models import load_model
 from .requests import GenerationOutput, RequestState, RequestStatus
 from .sampling import SamplingParams, StructuredOutput
 from .scheduling import FIFOScheduler, PrefillFirstScheduler, Scheduler
+from .speculative import SpeculativeConfig
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "ResolvedConfig",
     "SamplingParams",
     "Scheduler",
+    "SpeculativeConfig",
     "StructuredOutput",
     "continuous_batching",
     "generate_batch",

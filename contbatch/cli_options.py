@@ -1,4 +1,5 @@
-"""Command-line options shared by `contbatch generate` and `contbatch serve`: device and GPU path."""
+"""Command-line options shared by `contbatch generate` and `contbatch serve`: device and GPU path,
+and running on Ray (`--ray-replicas`, `--ray-address`; contbatch.ray, docs/ray.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn"], default="auto",
                    help="float32 linear layers on the CPU: auto times MKL (aten) against oneDNN on the model's "
                         "shapes at start-up and takes the faster per shape")
+    p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft_model (--speculative-model); default off")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per request per step")
+    p.add_argument("--speculative-model", default=None, help="draft model (local HF folder or .gguf), same tokenizer")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest tail matched")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest tail matched")
 
 
 def resolve_device(name: str) -> str:
@@ -40,4 +47,33 @@ def gpu_config(args: argparse.Namespace) -> dict:
         use_async_batching=args.async_batching,
         cpu_linear_kernel=args.cpu_linear_kernel,
         **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),
+        speculative_config=speculative_config(args),
     )
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    if getattr(args, "speculative_method", None) is None:
+        return None
+    return {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+            "model": args.speculative_model, "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_min": args.prompt_lookup_min}
+
+
+def add_ray_arguments(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """Run on Ray instead of in this process (needs the `ray` extra)."""
+    p.add_argument("--ray-replicas", type=int, default=0,
+                   help="run N engines on Ray (Serve replicas for serve, Ray Data actors for generate); 0: no Ray")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join ('auto': the one `ray start` runs here; default: start a local one)")
+    p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs per replica/actor (fractional allowed)")
+    p.add_argument("--ray-num-gpus", type=float, default=0.0, help="GPUs per replica/actor")
+    if not serve:
+        return
+    p.add_argument("--ray-min-replicas", type=int, default=None, help="autoscale between min and max replicas")
+    p.add_argument("--ray-max-replicas", type=int, default=None)
+    p.add_argument("--ray-target-ongoing-requests", type=float, default=16.0,
+                   help="autoscaling target: requests in flight per replica")
+    p.add_argument("--ray-max-ongoing-requests", type=int, default=64,
+                   help="requests in flight per replica at most; Serve queues the rest")
+    p.add_argument("--ray-routing", choices=["prefix", "pow2"], default="prefix",
+                   help="prefix: by the prompt's first block, load as tie-break; pow2: Serve's default")

@@ -78,8 +78,14 @@ class ContinuousBatchingConfig:
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
     return_logprobs: bool = False
+    # Speculative decoding: a SpeculativeConfig (or a dict of its fields), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}; None: off.
+    speculative_config: object | None = None
 
     def __post_init__(self) -> None:
+        from .speculative.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         if self.block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -160,6 +166,7 @@ class ResolvedConfig:
     varlen_compile: object | None = None
     cpu_linear: object | None = None  # LinearPlan: which float32 weight shapes run on oneDNN
     return_logprobs: bool = False
+    speculative: object | None = None  # SpeculativeConfig in force, or None
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

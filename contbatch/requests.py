@@ -67,6 +67,9 @@ class GenerationOutput:
     # One per generated token, only where the request's tokens came from several versions
     # (`update_weights` with in-flight requests kept or recomputed): RL trainers drop those.
     weight_versions: list[int] | None = None
+    # Speculative decoding: tokens proposed for this request, and how many the target accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -118,6 +121,14 @@ class RequestState:
     token_versions: list[int] | None = None  # per token, once a weight update came mid-request
     stale_kv: bool = False  # KV kept across a weight update: never published to the prefix cache
     grammar: "GrammarState | None" = None  # structured output: waits in the queue until compiled
+    # Speculative decoding (speculative/speculator.py): this step's proposals, the counters,
+    # and the adaptive back-off (an acceptance average; steps left to pause; the next pause).
+    draft_tokens: list[int] = field(default_factory=list)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_rate: float = 1.0
+    spec_pause: int = 0
+    spec_backoff: int = 8
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -223,4 +234,6 @@ class RequestState:
             weight_version=self.weight_version,
             weight_versions=None if self.token_versions is None else list(self.token_versions) if final
             else self.token_versions[start:],
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )

@@ -88,6 +88,32 @@ def default_model():
     return load_model()
 
 
+TINY_SERVER_CONTEXT = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer Llama with random weights and the default model's tokenizer (49152 tokens),
+    saved to a folder: what the server, browser, Ray and CLI tests serve."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from contbatch.models import default_model_dir
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=TINY_SERVER_CONTEXT, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+        initializer_range=0.2,  # peaked logits: greedy decided by real margins, not rounding
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def random_prompts(n: int, min_len: int, max_len: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

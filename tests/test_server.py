@@ -24,8 +24,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-import transformers
 import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,10 +33,10 @@ from contbatch.server import ServerSettings, build_app
 from contbatch.server.draining import DrainingServer
 from contbatch.server.schemas import ChatCompletionRequest, CompletionRequest
 
-from conftest import reference_generate
+from conftest import TINY_SERVER_CONTEXT, reference_generate
 
 MODEL = "tiny"
-CONTEXT = 1024
+CONTEXT = TINY_SERVER_CONTEXT
 BLOCK = 16
 GREEDY = {"temperature": 0}
 PROMPTS = [
@@ -50,27 +48,6 @@ PROMPTS = [
 
 
 # -- fixtures -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A 2-layer Llama with random weights and the default model's tokenizer (49152 tokens)."""
-    from transformers import AutoTokenizer
-
-    from contbatch.models import default_model_dir
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
-        initializer_range=0.2,  # peaked logits: greedy decided by real margins, not rounding
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     """A second copy of the tiny model, for `model.generate` ground truth."""
@@ -110,9 +87,11 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(model_dir: Path, num_blocks: int = 512, max_queue_size: int = 0, **settings_kw) -> LiveServer:
+def start_server(model_dir: Path, num_blocks: int = 512, max_queue_size: int = 0, speculative_config=None,
+                 **settings_kw) -> LiveServer:
     model, tok = load_model(model_dir)
-    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=num_blocks, max_queue_size=max_queue_size)
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=num_blocks, max_queue_size=max_queue_size,
+                                      speculative_config=speculative_config)
     manager = ContinuousBatchingManager(model, None, config, tokenizer=tok)
     app = build_app(manager, tok, ServerSettings(served_model_names=(MODEL, "alias"), **settings_kw))
     # proto given explicitly: asyncio sets TCP_NODELAY only on sockets that say IPPROTO_TCP,

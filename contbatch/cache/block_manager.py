@@ -120,6 +120,23 @@ class BlockManager:
                     self._free.append(block)
         return len(table)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back the request's blocks past those `num_tokens` tokens need (speculative
+        proposals that were rejected); returns how many. Such tail blocks were taken fresh
+        for the proposals and never hashed, so they go straight back to the free list."""
+        table = self.block_tables.get(request_id)
+        keep = blocks_for(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        for block in reversed(tail):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._keys[block] = None
+                self._free.append(block)
+        return len(tail)
+
     # -- prefix sharing ------------------------------------------------------------------
     def _keys_for(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
         bs = self.block_size

@@ -71,7 +71,7 @@ class Bucketing:
         t, b = batch.num_tokens, batch.num_requests
         tiles = self._tiles(batch.decode_only, t, b)
         return StepShape(batch.decode_only, t, b, tiles, batch.max_kv_len if self.kv_keyed else 0,
-                         len(batch.sampled))
+                         batch.num_logits)
 
     def padded(self, batch: StepBatch) -> StepShape:
         if batch.decode_only:
@@ -82,7 +82,8 @@ class Bucketing:
         b = min(t, self.max_requests)  # every request has a token: never more requests than tokens
         tiles = self._tiles(False, t, b)
         kv = round_up(batch.max_kv_len, self.kv_interval) if self.kv_keyed else 0
-        return StepShape(False, t, b, tiles, kv, b)
+        # Speculative verification samples several rows per request: then every token row may.
+        return StepShape(False, t, b, tiles, kv, b if batch.num_logits <= b else t)
 
 
 def pad_batch(
@@ -95,7 +96,7 @@ def pad_batch(
     """
     t, b = batch.num_tokens, batch.num_requests
     pad_t, pad_b = shape.num_tokens - t, shape.num_requests - b
-    if pad_t < 0 or pad_b < 0 or shape.num_logits < len(batch.sampled) or batch.block_table.shape[1] > table_width:
+    if pad_t < 0 or pad_b < 0 or shape.num_logits < batch.num_logits or batch.block_table.shape[1] > table_width:
         raise ValueError(f"a step of {t} tokens, {b} requests does not fit {shape} (table width {table_width})")
 
     def extend(x: torch.Tensor, n: int, value: int) -> torch.Tensor:

@@ -33,10 +33,13 @@ from .compile import allow_recompiles, compiled_forward, use_compile_cache
 from .graphs import GraphCache, capture_cuda_graph
 from .step_batch import build_step_batch
 from .step_runner import InFlight, StepRunner
+from ..speculative.speculator import make_speculator
 
 logger = logging.getLogger("contbatch")
 
 _NEG_INF = float("-inf")
+_NON_FINITE = ("the model produced non-finite logits (NaN or inf) for this request; check its sampling parameters, "
+               "the model's dtype and its weights")
 
 
 class EngineCore:
@@ -68,6 +71,8 @@ class EngineCore:
         self.runner = StepRunner(model, self.cache, backend, bucketing, r.max_batch_tokens, r.max_blocks_per_request,
                                  num_slots=2 if r.use_async_batching else 1, graphs=graphs, compiled=compiled)
         self.async_batching = r.use_async_batching
+        self.speculator = make_speculator(r.speculative, model, resolved) if r.speculative else None
+        self.speculation_error: str | None = None  # why speculation was turned off mid-run
         self.inflight: InFlight | None = None  # async: the step whose tokens are not applied yet
         self.steps = 0
         self.decode_only_steps = 0  # steps taken by the decode kernel, and their rows
@@ -83,6 +88,8 @@ class EngineCore:
     def step(self) -> None:
         t0 = time.perf_counter()
         prev, step = self.inflight, None
+        if self.speculator is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         self._check_grammars(plan, idle=prev is None)
         with self.runner.streams.on("compute"):  # after any in-flight step's writes, in stream order
@@ -113,6 +120,19 @@ class EngineCore:
                 self._apply(step)
         self.steps += 1 if plan.chunks else 0
         self.step_seconds += time.perf_counter() - t0
+
+    def _propose(self) -> None:
+        """Speculative proposals for this step. A proposer that fails (a draft model's step)
+        must not fail requests that would run fine without it: speculation turns off, loudly."""
+        try:
+            self.speculator.propose(self.scheduler.running.values())
+        except Exception as exc:
+            logger.exception("speculative proposals failed; speculative decoding is off from now on")
+            for state in self.scheduler.running.values():
+                state.draft_tokens = []
+            self.speculator.close()
+            self.speculator = None
+            self.speculation_error = repr(exc)
 
     def _check_grammars(self, plan: StepPlan, idle: bool) -> None:
         """Structured output: a request whose grammar failed to compile ends before it takes a
@@ -151,6 +171,9 @@ class EngineCore:
             if not state.status.is_done:  # never past what is launched: a reset may have shrunk it
                 self._cache_full_blocks(state, min(computed, state.num_computed_tokens))
         live = [not s.status.is_done for s in step.batch.sampled]
+        if result.run_lengths is not None:  # speculative verification: runs of tokens
+            self._apply_runs(step, result, live)
+            return
         if result.logprobs is not None:
             _record_logprobs(step.batch.sampled, result, live)
         ok = result.ok.tolist() if result.ok is not None else live
@@ -158,9 +181,7 @@ class EngineCore:
             if not alive:
                 continue
             if not good:  # a numerical fault must not pass as a token: it fails this request alone
-                self.retire(state, RequestStatus.FAILED, "the model produced non-finite logits (NaN or inf) for "
-                                                         "this request; check its sampling parameters, the model's "
-                                                         "dtype and its weights")
+                self.retire(state, RequestStatus.FAILED, _NON_FINITE)
                 continue
             state.set_token(index, token)
             if state.grammar is not None:
@@ -175,6 +196,53 @@ class EngineCore:
                 state.token_versions.append(self.weight_version)
             self._after_token(state)
 
+    def _apply_runs(self, step: InFlight, result, live: list[bool]) -> None:
+        """A verification step: each request takes its accepted proposals and the target's
+        next token, one at a time, so that EOS, `max_new_tokens` and stop strings end it at
+        the right token; the KV of rejected proposals is rolled back (never counted as
+        computed, never committed to the prefix cache, their extra blocks freed)."""
+        runs, lengths = result.run_tokens.tolist(), result.run_lengths.tolist()
+        run_lps = result.run_logprobs.tolist() if result.run_logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        ok = result.ok.tolist()
+        for i, (state, index) in enumerate(zip(step.batch.sampled, step.token_index)):
+            if not live[i]:
+                continue
+            if not ok[i]:
+                self.retire(state, RequestStatus.FAILED, _NON_FINITE)
+                continue
+            draft, run = step.batch.drafts[i], runs[i][: lengths[i]]
+            applied = 0
+            for j, token in enumerate(run):
+                if state.status.is_done:
+                    break
+                if j == 0:
+                    state.set_token(index, token)
+                else:
+                    state.append_token(token)
+                applied += 1
+                if state.logprobs is not None:
+                    state.logprobs.append(run_lps[i][j])
+                if state.top_logprobs is not None:  # only requests that never propose ask for these
+                    k = state.params.top_logprobs
+                    state.top_logprobs.append({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != _NEG_INF})
+                state.weight_version = self.weight_version
+                if state.token_versions is not None:
+                    state.token_versions.append(self.weight_version)
+                self._check_stop_strings(state)
+            if draft:
+                if self.speculator is not None:
+                    self.speculator.record(state, len(draft), len(run) - 1)
+                if not state.status.is_done:
+                    state.num_computed_tokens += applied - 1  # the accepted proposals' KV stays
+                    self._cache_full_blocks(state, state.num_computed_tokens)
+                    self.cache.block_manager.trim(state.request_id, state.num_computed_tokens + 1)
+            if state.status.is_done:
+                self.retire(state)
+            else:
+                self.publish(state)
+
     def _cache_full_blocks(self, state: RequestState, upto: int) -> None:
         """Publish the request's blocks completed within `upto` tokens to the prefix cache;
         most steps complete no block, and then there is nothing to hash."""
@@ -187,20 +255,24 @@ class EngineCore:
 
     def _after_token(self, state: RequestState) -> None:
         """Stop strings, then retire or stream the request."""
+        self._check_stop_strings(state)
+        if state.status.is_done:
+            self.retire(state)
+        else:
+            self.publish(state)
+
+    def _check_stop_strings(self, state: RequestState) -> None:
+        """Streamed text and stop strings after a new token; a stop string ends the request."""
         detok = state.detokenizer
         if detok is not None and not state.status.is_done and (state.streaming or detok.stop):
             try:
                 state.delta_text += detok.update(state.known_tokens)
             except Exception as exc:  # the tokenizer failed on this request's text: it alone ends
                 logger.exception("detokenizing %s failed", state.request_id)
-                self.retire(state, RequestStatus.FAILED, f"detokenizing the output failed: {exc!r}")
+                state.finish(RequestStatus.FAILED, "error", f"detokenizing the output failed: {exc!r}")
                 return
             if detok.stopped:
                 state.finish(RequestStatus.FINISHED, "stop")
-        if state.status.is_done:
-            self.retire(state)
-        else:
-            self.publish(state)
 
     # -- weights -------------------------------------------------------------------------
     def flush(self) -> None:
@@ -247,6 +319,8 @@ class EngineCore:
             kind = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}[status]
             state.finish(status, kind, reason)
         self.scheduler.remove(state.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(state.request_id)
         self.publish(state)
 
     def cancel(self, request_id: str) -> None:
@@ -296,6 +370,8 @@ class EngineCore:
             "compiles": self.runner.compiles,
             "weight_version": self.weight_version,
             "graph_breaks": self.runner.graph_breaks,
+            **(self.speculator.stats() if self.speculator is not None else {}),
+            **({"speculation_error": self.speculation_error} if self.speculation_error else {}),
         }
 
 

@@ -406,6 +406,8 @@ class ContinuousBatchingManager:
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
                 self._linear_router.uninstall()
+            if self.core is not None and self.core.speculator is not None:
+                self.core.speculator.close()
 
     def _loop(self) -> None:
         try:

@@ -68,9 +68,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     layout = KVLayout.from_model_config(model.config, dtype)
+    spec = cfg.speculative_config
+    # A step's accepted proposals decide the next step's tokens and positions: it cannot be
+    # planned before they are read, so speculation runs steps one after the other.
+    use_async = False if spec is not None else cfg.use_async_batching
     backend = choose_backend(
-        cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path, cfg.use_cuda_graph,
-        cfg.use_async_batching,
+        cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path, cfg.use_cuda_graph, use_async,
     )
     bs = backend.block_size
     max_context = model_context(model)
@@ -103,6 +106,13 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
 
     margin = cfg.safety_margin if cfg.safety_margin is not None else DEFAULT_SAFETY_MARGINS[cfg.scheduler_type]
     notes = list(backend.notes)
+    spec_warnings = []
+    if spec is not None:
+        notes.append(f"speculative decoding: {spec.describe()}; async batching off (each step's accepted "
+                     "tokens are read before the next step is planned)")
+        if cfg.use_async_batching:
+            spec_warnings.append("use_async_batching=True is off with speculative decoding: a step's accepted "
+                                 "tokens must be known before the next step is planned")
     windowed = sliding_window_layers(model)
     if windowed:
         notes.append(
@@ -139,7 +149,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         cpu_offload_gib=round(host_gib, 3),
         sliding_window_layers=windowed,
         notes=tuple(notes),
-        warnings=tuple(backend.warnings + compile_warnings),
+        warnings=tuple(backend.warnings + compile_warnings + spec_warnings),
         kv_layout=backend.kv_layout,
         use_cuda_graph=backend.use_cuda_graph,
         use_async_batching=backend.use_async_batching,
@@ -152,6 +162,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         varlen_compile=compiled["varlen"],
         cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
         return_logprobs=cfg.return_logprobs,
+        speculative=spec,
     )
     return resolved, layout
 
@@ -182,7 +193,8 @@ def describe(resolved: ResolvedConfig) -> str:
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
-        f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks)"
+        f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks) "
+        f"speculative={resolved.speculative.describe() if resolved.speculative else 'off'}"
         + "".join(f"; note: {n}" for n in resolved.notes)
         + "".join(f"; WARNING: {w}" for w in resolved.warnings)
     )

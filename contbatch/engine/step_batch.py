@@ -33,9 +33,14 @@ class StepBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     kv_lens: torch.Tensor  # [B] int32: keys each request attends to, this step's included
     block_table: torch.Tensor  # [B, W] int32
-    logits_indices: torch.Tensor  # [S] int64: last row of each request that samples
+    logits_indices: torch.Tensor  # [L] int64: last row of each request that samples (k + 1 rows with k drafts)
     sampled: list[RequestState]  # the S requests, in logits order
     chunks: list[ScheduledChunk]
+    drafts: list[list[int]] | None = None  # per sampled request, its proposals; None: no request proposed
+
+    @property
+    def num_logits(self) -> int:
+        return self.logits_indices.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -85,11 +90,14 @@ def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
         ids, start, n = c.state.all_token_ids, c.state.num_computed_tokens, c.num_tokens
         if n == 1:
             token_ids.append(ids[start])
+        elif c.draft:  # the last known token, then the proposals to verify
+            token_ids.extend(ids[start : start + n - len(c.draft)])
+            token_ids.extend(c.draft)
         else:
             token_ids.extend(ids[start : start + n])
         q_lens.append(n)
         starts.append(start)
-        lengths.append(len(ids))
+        lengths.append(len(ids) + len(c.draft))
     q, st = np.array(q_lens, np.int64), np.array(starts, np.int64)
     cu_q = np.zeros(len(chunks) + 1, np.int64)
     np.cumsum(q, out=cu_q[1:])
@@ -129,6 +137,15 @@ def build_step_batch(
             raise RuntimeError("a placeholder token has no step in flight to take its value from")
         ids[waiting] = 0
     sampled_rows = np.flatnonzero(step.samples)
+    last_rows = cu_q[1:][sampled_rows] - 1
+    drafts = None
+    if any(c.draft for c in chunks):
+        # Speculation: a request with k proposals has logits on its last k + 1 rows.
+        drafts = [chunks[i].draft for i in sampled_rows.tolist()]
+        k = np.fromiter(map(len, drafts), np.int64, len(drafts))
+        ends = np.repeat(last_rows + 1, k + 1)
+        offsets = np.arange(int(k.sum()) + len(k)) - np.repeat(np.cumsum(k + 1) - (k + 1), k + 1)
+        last_rows = ends - np.repeat(k + 1, k + 1) + offsets
     return StepBatch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
@@ -137,9 +154,10 @@ def build_step_batch(
         cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
         kv_lens=torch.from_numpy((step.starts.numpy() + step.q_lens.numpy()).astype(np.int32)),
         block_table=torch.from_numpy(table),
-        logits_indices=torch.from_numpy(cu_q[1:][sampled_rows] - 1),
+        logits_indices=torch.from_numpy(last_rows),
         sampled=[chunks[i].state for i in sampled_rows.tolist()],
         chunks=chunks,
+        drafts=drafts,
     )
 
 

@@ -30,6 +30,7 @@ from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache
 from ..faults import inject
 from ..sampling.sampler import SampleResult, Sampler
+from ..sampling.verify import verify
 from .buckets import Bucketing, StepShape, pad_batch, round_up
 from .compile import compile_counters
 from .step_batch import StepBatch, apply_carry
@@ -158,7 +159,8 @@ class StepRunner:
     def _slot(self, index: int) -> IOSlot:
         t, b, w = self.max_tokens, self.max_requests, self.table_width
         sizes = {name: (t,) for name in ("input_ids", "carry", "positions", "write_slots")}
-        sizes.update(logits_indices=(b,), cu_seqlens_q=(b + 1,), cu_seqlens_k=(b + 1,), kv_lens=(b,))
+        # Logits rows: one per request, or up to one per token when speculation verifies runs.
+        sizes.update(logits_indices=(max(b, t),), cu_seqlens_q=(b + 1,), cu_seqlens_k=(b + 1,), kv_lens=(b,))
         sizes.update(block_table=(b, w), tile_request=(self.max_tiles,), tile_start=(self.max_tiles,))
         dtype = {name: torch.long if name in _LONG else torch.int32 for name in sizes}
         dev = self.cache.device
@@ -199,7 +201,8 @@ class StepRunner:
                 apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
             logits = self._forward(slot, shape, views, graphed, prepared)
             events = [(start, s.record("compute", timing=True))]
-        computed = [c.state.num_computed_tokens + c.num_tokens for c in batch.chunks]
+        # Proposals are not counted as computed: `EngineCore` adds the accepted ones.
+        computed = [c.state.num_computed_tokens + c.num_tokens - len(c.draft) for c in batch.chunks]
         return InFlight(batch, shape, slot, logits, computed, events=events)
 
     def _upload(self, slot: IOSlot, shape: StepShape, host: dict[str, torch.Tensor]) -> None:
@@ -287,7 +290,10 @@ class StepRunner:
         states = step.batch.sampled
         with s.on("compute"):
             start = s.record("compute", timing=True)
-            result = self.sampler.sample_states(step.logits[: len(states)], states)
+            if step.batch.drafts is not None:
+                result = verify(self.sampler, step.logits[: step.batch.num_logits], states, step.batch.drafts)
+            else:
+                result = self.sampler.sample_states(step.logits[: len(states)], states)
             step.slot.tokens[: len(states)].copy_(result.tokens)
             step.events.append((start, s.record("compute", timing=True)))
             step.slot.compute_done = s.record("compute")
@@ -324,4 +330,5 @@ def _path(decode_only: bool) -> str:
 
 
 def _extras(result: SampleResult) -> tuple:
-    return result.logprobs, result.top_ids, result.top_logprobs, result.ok
+    return (result.logprobs, result.top_ids, result.top_logprobs, result.ok, result.run_tokens, result.run_lengths,
+            result.run_logprobs)

@@ -68,6 +68,9 @@ class SamplingParams:
     # "stop" (min_new_tokens does not hold it back), and logprobs are those of the masked
     # distribution (tokens the grammar forbids have probability 0).
     structured_output: StructuredOutput | None = None
+    # Speculative decoding, where the engine has it on: False opts this request out (its
+    # tokens are the same either way; speculation only changes how fast they come).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -134,6 +137,8 @@ class SamplingParams:
         integer("seed", -(2**63), 2**63 - 1, optional=True)
         integer("n", 1)
         integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.speculative, bool):
+            fail(f"speculative must be true or false, got {self.speculative!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             fail("structured_output must be a StructuredOutput(json=..., regex=..., choice=..., grammar=... or "
                  f"json_object=True), got {type(self.structured_output).__name__}")

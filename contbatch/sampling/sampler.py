@@ -43,6 +43,11 @@ class SampleResult:
     top_ids: torch.Tensor | None = None  # [S, k]
     top_logprobs: torch.Tensor | None = None  # [S, k]
     ok: torch.Tensor | None = None  # [S] bool: the chosen token's logit was finite (else the row's logits were NaN/inf)
+    # Speculative verification (`verify.py`): each request's accepted run, drafts then the
+    # target's own token, padded; `tokens` is then each run's last token.
+    run_tokens: torch.Tensor | None = None  # [S, K + 1]
+    run_lengths: torch.Tensor | None = None  # [S]: 1 + accepted drafts
+    run_logprobs: torch.Tensor | None = None  # [S, K + 1], where logprobs are wanted
 
 
 def _dev(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -179,6 +184,9 @@ def warp(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
     return logits
 
 
+_UNIFORM_SALT = 0x5EED_5BEC
+
+
 def _finite_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Whether each row's chosen logit is finite. A NaN anywhere in a row wins its argmax (and
     spoils its softmax), so one gather finds a broken row without a pass over the vocabulary."""
@@ -202,6 +210,16 @@ class Sampler:
                 noise[i] = torch.empty(vocab).exponential_(generator=g)
         return noise.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else noise
 
+    def uniforms(self, reqs: list[SampleRequest], device) -> torch.Tensor:
+        """One U[0, 1) draw per row, for speculative acceptance; a seeded row draws from its
+        own (seed, position) stream, apart from the exponential noise of `_noise`."""
+        u = torch.rand(len(reqs), generator=self._rng)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None:
+                g = torch.Generator().manual_seed((r.params.seed * 1_000_003 + len(r.generated) + 7_919) % 2**63 ^ _UNIFORM_SALT)
+                u[i] = torch.rand(1, generator=g)[0]
+        return _dev(u, device)
+
     def sample_states(self, logits: torch.Tensor, states) -> SampleResult:
         """Sample for engine request states (`params`, `prompt_ids`, `known_tokens`,
         `eos_token_ids`, `grammar`); plain greedy rows, the common case, skip building any history."""
@@ -212,14 +230,19 @@ class Sampler:
         return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids, s.grammar)
                              for s in states])
 
-    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
+    def process(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
+        """The processors that move a row's logits before any choice, in `transformers`'
+        order, on a float32 copy: grammar masks, logit bias, penalties, min-new-tokens."""
         logits = logits.float()
         self.grammar_masks.apply(logits, reqs)
         apply_logit_bias(logits, reqs)
         apply_repetition_penalty(logits, reqs)
         apply_presence_frequency(logits, reqs)
         apply_min_new_tokens(logits, reqs)
+        return logits
 
+    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
+        logits = self.process(logits, reqs)
         tokens = logits.argmax(dim=-1)
         final = logits
         sample_rows = _rows(reqs, lambda r: not r.params.greedy)

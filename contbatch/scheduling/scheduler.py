@@ -19,12 +19,13 @@ from ..requests import RequestState, RequestStatus
 @dataclass
 class ScheduledChunk:
     state: RequestState
-    num_tokens: int  # computed this step, starting at state.num_computed_tokens
+    num_tokens: int  # computed this step, starting at state.num_computed_tokens (drafts included)
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified after the last known one
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known sequence, so the step samples a token."""
-        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+        return self.state.num_computed_tokens + self.num_tokens - len(self.draft) == self.state.num_tokens
 
 
 @dataclass
@@ -157,6 +158,12 @@ class Scheduler:
             # Preempted earlier in this step, or ending on its token still in flight (async).
             if state.request_id not in self.running or state.exhausted:
                 continue
+            draft = self._draft(state, tokens_left)
+            if draft:
+                plan.chunks.append(ScheduledChunk(state, 1 + len(draft), draft))
+                scheduled.add(state.request_id)
+                tokens_left -= 1 + len(draft)
+                continue
             want = min(state.remaining_tokens, tokens_left)
             got = self._grow_running(state, want, scheduled, plan)
             if got:
@@ -213,6 +220,18 @@ class Scheduler:
             taken = {id(s) for s in admitted}
             self.waiting = deque(s for s in self.waiting if id(s) not in taken)
         return plan
+
+    def _draft(self, state: RequestState, tokens_left: int) -> list[int]:
+        """The request's proposals (speculative decoding) that fit this step: they count
+        against the token budget, and take blocks only where they are free (never by
+        preempting anyone); otherwise the request decodes one token as usual."""
+        draft, state.draft_tokens = state.draft_tokens, []
+        if not draft or state.remaining_tokens != 1:
+            return []
+        draft = draft[: tokens_left - 1]
+        if draft and self.block_manager.ensure(state.request_id, state.num_computed_tokens + 1 + len(draft)):
+            return draft
+        return []
 
     # -- in-burst prefix dedup ----------------------------------------------------------
     def _prompt_hashes(self, state: RequestState) -> list[int]:

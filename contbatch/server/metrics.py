@@ -72,6 +72,15 @@ class EngineCollector(Collector):
                             s["offloads"])
         yield self._counter("contbatch:num_restores", "Offloaded requests whose KV was copied back.", s["restores"])
         yield self._counter("contbatch:engine_steps", "Engine steps (one forward pass each).", s["steps"])
+        if "spec_decode_num_drafts" in s:  # speculative decoding is on (vLLM's names)
+            yield self._counter("contbatch:spec_decode_num_drafts", "Verification runs with proposed tokens.",
+                                s["spec_decode_num_drafts"])
+            yield self._counter("contbatch:spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.",
+                                s["spec_decode_num_draft_tokens"])
+            yield self._counter("contbatch:spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+                                s["spec_decode_num_accepted_tokens"])
+            yield self._gauge("contbatch:spec_decode_acceptance_rate", "Accepted / proposed tokens since start.",
+                              s["spec_decode_acceptance_rate"])
 
 
 class ServerMetrics:

@@ -148,6 +148,7 @@ def sampling_params(
             top_logprobs=top_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured_output=structured,
+            speculative=req.speculative,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc

@@ -79,6 +79,7 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    speculative: bool = True  # false: this request never takes speculative proposals (same tokens)
     # Accepted and ignored: they change nothing about what is generated.
     user: str | None = None
     metadata: dict[str, str] | None = None
