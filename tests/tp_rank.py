@@ -1,0 +1,141 @@
+"""One rank of a tensor-parallel test run (tests/test_tensor_parallel.py starts N of these).
+
+Every rank loads the model sharded; workers run rank 0's steps; rank 0 runs the scenario
+named on the command line and writes what it saw as JSON. Kept out of the test module so each
+rank imports nothing of pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model  # noqa: E402
+from contbatch.distributed import run_worker  # noqa: E402
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 30))] for _ in range(n)]
+
+
+def sharding(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    q = model.model.layers[0].self_attn.q_proj.weight
+    local = q.to_local() if isinstance(q, DTensor) else q
+    return {"dtensor": isinstance(q, DTensor), "q_proj_global": list(q.shape), "q_proj_local": list(local.shape)}
+
+
+def scenario_generate(manager, model, args) -> dict:
+    from contbatch.requests import RequestStatus
+
+    ps = prompts(args.requests, model.config.vocab_size)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    ids = manager.add_requests(ps, sampling_params=params)
+    outs = {rid: manager.get_result(rid, timeout=60) for rid in ids}
+    assert all(o is not None and o.status == RequestStatus.FINISHED for o in outs.values()), outs
+    return {"prompts": ps, "tokens": [outs[rid].generated_tokens for rid in ids]}
+
+
+def scenario_lifecycle(manager, model, args) -> dict:
+    """A cancel mid-request, then a graceful stop with requests in flight (they finish)."""
+    ps = prompts(4, model.config.vocab_size)
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    victim = manager.add_request(ps[0], sampling_params=long)
+    while not manager.stats()["steps"]:
+        time.sleep(0.01)
+    manager.cancel_request(victim)
+    cancelled = manager.get_result(victim, timeout=60)
+    ids = manager.add_requests(ps[1:], sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+    manager.stop()  # graceful: everything submitted finishes, on every rank
+    outs = [manager.get_result(rid, timeout=5) for rid in ids]
+    return {"cancelled": cancelled.status.value, "drained": [o.status.value for o in outs],
+            "drained_tokens": [len(o.generated_tokens) for o in outs]}
+
+
+def scenario_hard_stop(manager, model, args) -> dict:
+    ps = prompts(3, model.config.vocab_size)
+    ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=500, ignore_eos=True))
+    while not manager.stats()["steps"]:
+        time.sleep(0.01)
+    manager.stop(hard_stop=True)
+    outs = [manager.get_result(rid, timeout=5) for rid in ids]
+    return {"statuses": [o.status.value for o in outs], "errors": [o.error for o in outs]}
+
+
+def scenario_kill(manager, model, args) -> dict:
+    """Kill worker rank 1 mid-generation: rank 0 must fail every request, with a clear error."""
+    ps = prompts(3, model.config.vocab_size)
+    ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=400, ignore_eos=True))
+    while manager.stats()["steps"] < 3:
+        time.sleep(0.01)
+    os.kill(int(open(args.worker_pid_file).read()), signal.SIGKILL)
+    t0 = time.perf_counter()
+    outs = [manager.get_result(rid, timeout=60) for rid in ids]
+    seconds = time.perf_counter() - t0
+    late = None
+    try:
+        manager.add_request(ps[0])
+    except RuntimeError as exc:
+        late = str(exc)
+    return {"statuses": [o.status.value if o else None for o in outs], "errors": [o.error if o else None for o in outs],
+            "seconds": seconds, "late_add": late}
+
+
+SCENARIOS = {"generate": scenario_generate, "lifecycle": scenario_lifecycle, "hard_stop": scenario_hard_stop,
+             "kill": scenario_kill}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--worker-pid-file", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model, _ = load_model(args.model, tp_plan="auto")
+    if dist.get_rank() != 0:
+        if args.worker_pid_file:
+            open(args.worker_pid_file, "w").write(str(os.getpid()))
+        run_worker(model)
+        dist.destroy_process_group()
+        return
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=48, num_blocks=256)
+    manager = ContinuousBatchingManager(model, None, config)
+    try:
+        try:  # the manager's request API on a worker raises; here we check rank 0 reports itself
+            result = {"resolved": {k: v for k, v in manager.resolved_config.as_dict().items()
+                                   if k in ("tp_size", "tp_rank", "tp_backend", "kv_heads_per_rank", "num_blocks")},
+                      "sharding": sharding(model)}
+            manager.start()
+            result.update(SCENARIOS[args.scenario](manager, model, args))
+        finally:
+            manager.stop()
+            manager.destroy()
+            manager.destroy()  # idempotent
+        result["destroyed_twice"] = True
+    except Exception as exc:
+        result = {"exception": repr(exc)}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    if args.scenario != "kill":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
