@@ -39,30 +39,19 @@ def sharding(model) -> dict:
 
 
 def scenario_generate(manager, model, args) -> dict:
-    from contbatch.requests import RequestStatus
-
+    """A mixed batch (chunked prefills beside decodes, 4-token blocks), a long request cancelled
+    mid-way, and a graceful stop right after submitting: everything drains on every rank."""
     ps = prompts(args.requests, model.config.vocab_size)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    ids = manager.add_requests(ps, sampling_params=params)
-    outs = {rid: manager.get_result(rid, timeout=60) for rid in ids}
-    assert all(o is not None and o.status == RequestStatus.FINISHED for o in outs.values()), outs
-    return {"prompts": ps, "tokens": [outs[rid].generated_tokens for rid in ids]}
-
-
-def scenario_lifecycle(manager, model, args) -> dict:
-    """A cancel mid-request, then a graceful stop with requests in flight (they finish)."""
-    ps = prompts(4, model.config.vocab_size)
-    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
-    victim = manager.add_request(ps[0], sampling_params=long)
+    victim = manager.add_request(ps[0] * 3, sampling_params=SamplingParams(max_new_tokens=300, ignore_eos=True))
     while not manager.stats()["steps"]:
-        time.sleep(0.01)
+        time.sleep(0.005)
+    ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
     manager.cancel_request(victim)
-    cancelled = manager.get_result(victim, timeout=60)
-    ids = manager.add_requests(ps[1:], sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True))
-    manager.stop()  # graceful: everything submitted finishes, on every rank
+    manager.stop()  # graceful: what was submitted finishes
     outs = [manager.get_result(rid, timeout=5) for rid in ids]
-    return {"cancelled": cancelled.status.value, "drained": [o.status.value for o in outs],
-            "drained_tokens": [len(o.generated_tokens) for o in outs]}
+    cancelled = manager.get_result(victim, timeout=5)
+    return {"prompts": ps, "tokens": [o.generated_tokens for o in outs], "statuses": [o.status.value for o in outs],
+            "cancelled": cancelled.status.value, "cancelled_tokens": len(cancelled.generated_tokens)}
 
 
 def scenario_hard_stop(manager, model, args) -> dict:
@@ -75,27 +64,38 @@ def scenario_hard_stop(manager, model, args) -> dict:
     return {"statuses": [o.status.value for o in outs], "errors": [o.error for o in outs]}
 
 
-def scenario_kill(manager, model, args) -> dict:
-    """Kill worker rank 1 mid-generation: rank 0 must fail every request, with a clear error."""
+def scenario_kill(manager, model, args, sig=signal.SIGKILL) -> dict:
+    """Kill worker rank 1 mid-generation (or freeze it: `hang`): rank 0 must fail every request,
+    with a clear error, within its timeout."""
     ps = prompts(3, model.config.vocab_size)
     ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=400, ignore_eos=True))
     while manager.stats()["steps"] < 3:
         time.sleep(0.01)
-    os.kill(int(open(args.worker_pid_file).read()), signal.SIGKILL)
+    worker = int(open(args.worker_pid_file).read())
+    os.kill(worker, sig)
     t0 = time.perf_counter()
     outs = [manager.get_result(rid, timeout=60) for rid in ids]
     seconds = time.perf_counter() - t0
+    deadline = time.time() + 10
+    while manager.is_running() and time.time() < deadline:  # the engine ends itself
+        time.sleep(0.01)
     late = None
     try:
         manager.add_request(ps[0])
     except RuntimeError as exc:
         late = str(exc)
+    if sig != signal.SIGKILL:
+        os.kill(worker, signal.SIGKILL)  # a frozen process is no use to anyone now
     return {"statuses": [o.status.value if o else None for o in outs], "errors": [o.error if o else None for o in outs],
             "seconds": seconds, "late_add": late}
 
 
-SCENARIOS = {"generate": scenario_generate, "lifecycle": scenario_lifecycle, "hard_stop": scenario_hard_stop,
-             "kill": scenario_kill}
+def scenario_hang(manager, model, args) -> dict:
+    return scenario_kill(manager, model, args, signal.SIGSTOP)
+
+
+SCENARIOS = {"generate": scenario_generate, "hard_stop": scenario_hard_stop,
+             "kill": scenario_kill, "hang": scenario_hang}
 
 
 def main() -> None:
@@ -106,24 +106,30 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--worker-pid-file", default=None)
+    p.add_argument("--worker-out", default=None, help="a worker writes the steps it ran here")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, _ = load_model(args.model, tp_plan="auto")
     if dist.get_rank() != 0:
         if args.worker_pid_file:
             open(args.worker_pid_file, "w").write(str(os.getpid()))
-        run_worker(model)
+        steps = run_worker(model)
+        if args.worker_out:
+            with open(args.worker_out, "w") as f:
+                json.dump({"steps": steps}, f)
         dist.destroy_process_group()
         return
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=48, num_blocks=256)
     manager = ContinuousBatchingManager(model, None, config)
     try:
-        try:  # the manager's request API on a worker raises; here we check rank 0 reports itself
+        try:
             result = {"resolved": {k: v for k, v in manager.resolved_config.as_dict().items()
                                    if k in ("tp_size", "tp_rank", "tp_backend", "kv_heads_per_rank", "num_blocks")},
                       "sharding": sharding(model)}
+            runner = manager.core.runner
             manager.start()
             result.update(SCENARIOS[args.scenario](manager, model, args))
+            result["steps_sent"] = runner.sends
         finally:
             manager.stop()
             manager.destroy()
@@ -133,7 +139,7 @@ def main() -> None:
         result = {"exception": repr(exc)}
     with open(args.out, "w") as f:
         json.dump(result, f)
-    if args.scenario != "kill":
+    if args.scenario not in ("kill", "hang"):
         dist.destroy_process_group()
 
 
