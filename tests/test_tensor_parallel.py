@@ -103,6 +103,15 @@ def test_tp_size_not_dividing_kv_heads_refused_at_start(tiny_dir, capsys, monkey
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
+def test_tp2_exact_under_kv_pressure_with_offload(tiny_dir, tmp_path, reference):
+    status, res, worker = run_ranks(tiny_dir, tmp_path, "pressure")
+    assert status == 0 and res["offloads"] > 0 and res["restores"] == res["offloads"]
+    model, _ = reference
+    assert res["tokens"] == [reference_generate(model, p, 16) for p in res["prompts"]]
+    assert worker == {"steps": res["steps_sent"]}
+
+
 @pytest.mark.slow  # the worker's side of a stop is the graceful test's; this adds rank 0's hard-stop path
 def test_tp2_hard_stop_fails_on_rank0_and_stops_the_worker(tiny_dir, tmp_path):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "hard_stop")

@@ -54,6 +54,20 @@ def scenario_generate(manager, model, args) -> dict:
             "cancelled": cancelled.status.value, "cancelled_tokens": len(cancelled.generated_tokens)}
 
 
+def scenario_pressure(manager, model, args) -> dict:
+    """KV pressure with the CPU offload tier: victims' blocks go to the host and back on every
+    rank (rank 0 sends its host copies with the next step), and every token stays exact."""
+    import random
+
+    rng = random.Random(21)
+    ps = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(10, 30))] for _ in range(20)]
+    ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=16, ignore_eos=True))
+    outs = [manager.get_result(rid, timeout=120) for rid in ids]
+    stats = manager.stats()
+    return {"prompts": ps, "tokens": [o.generated_tokens for o in outs], "offloads": stats["offloads"],
+            "restores": stats["restores"]}
+
+
 def scenario_hard_stop(manager, model, args) -> dict:
     ps = prompts(3, model.config.vocab_size)
     ids = manager.add_requests(ps, sampling_params=SamplingParams(max_new_tokens=500, ignore_eos=True))
@@ -95,7 +109,9 @@ def scenario_hang(manager, model, args) -> dict:
 
 
 SCENARIOS = {"generate": scenario_generate, "hard_stop": scenario_hard_stop,
-             "kill": scenario_kill, "hang": scenario_hang}
+             "kill": scenario_kill, "hang": scenario_hang, "pressure": scenario_pressure}
+CONFIGS = {"pressure": dict(block_size=4, num_blocks=14, max_batch_tokens=32, safety_margin=0.0, cpu_offload_space=1.0,
+                            allow_block_sharing=False)}
 
 
 def main() -> None:
@@ -119,7 +135,8 @@ def main() -> None:
                 json.dump({"steps": steps}, f)
         dist.destroy_process_group()
         return
-    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=48, num_blocks=256)
+    config = ContinuousBatchingConfig(**CONFIGS.get(args.scenario, dict(block_size=4, max_batch_tokens=48,
+                                                                         num_blocks=256)))
     manager = ContinuousBatchingManager(model, None, config)
     try:
         try:

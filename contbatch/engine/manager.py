@@ -102,6 +102,8 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("contbatch manager already running; start() ignored")
             return
+        if isinstance(self.core.runner, DriverRunner):
+            self.core.runner.check()  # its workers were stopped with it, or are gone
         r = self.resolved_config
         self._saved_attn = attach(self.model)
         self._linear_router = LinearRouter(self.model, r.cpu_linear)
@@ -229,6 +231,9 @@ class ContinuousBatchingManager:
         later tokens use the new weights) or end cancelled (`"abort"`); their outputs list
         the version of each token in `weight_versions`."""
         check_inflight(inflight)
+        if self.tensor_parallel is not None:
+            raise RuntimeError("update_weights() is not supported under tensor parallelism yet (each rank holds a "
+                               "shard of every weight)")
         if self._thread is not None and threading.current_thread() is self._thread:
             raise RuntimeError("update_weights() cannot run in a result handler (the engine thread is mid-step): "
                                "call pause() there and update from another thread")
