@@ -4,12 +4,13 @@ communication each step costs.
 The default model has 3 KV heads (TP=3 only), so this builds a small random-weight Llama with
 2 KV heads (`--layers`, `--hidden`; the default tokenizer's vocabulary) unless `--model` names
 a folder. Each system is a fresh set of processes started through `contbatch.distributed.spawn`
-(TP=1: one process with every core; TP=2: two with half each), alternating TP=1 / TP=2 for
+(TP=1: one process with every core; TP=2: two with half each; TP=1 on half the cores, what one
+rank gets), in an order rotated each round, for
 `--rounds` rounds; in each, rank 0 runs one untimed warm-up batch, then `--repeats` timed
-batches of `--prompts` prompts x `--new-tokens` tokens (EOS ignored), then one batch under the
-CPU profiler, which attributes the time of the model's collectives (gloo all-reduce / all-gather
-and their waits) on rank 0. Rank 0's own per-step broadcast of the batch is timed directly.
-Greedy tokens of TP=2 are compared with TP=1's.
+batches of `--prompts` prompts x `--new-tokens` tokens (EOS ignored). On rank 0 the model's
+collectives (the all-reduces of the row-wise layers, the all-gather of the logits) are timed
+by wrapping DTensor's redistribution, and rank 0's own per-step broadcast of the batch is
+timed directly. Greedy tokens of every system are compared with TP=1's.
 
 What this machine can show: with two cores, TP=2 runs two one-thread processes instead of one
 two-thread process, and adds the collectives; it is about fitting a model and cutting latency
@@ -27,7 +28,30 @@ import tempfile
 import time
 from pathlib import Path
 
-_COLLECTIVE_MARKS = ("c10d", "gloo", "wait_tensor", "all_reduce", "allreduce", "all_gather", "allgather")
+_COMM = {"seconds": 0.0, "calls": 0}
+
+
+def time_collectives() -> None:
+    """Benchmark instrumentation (rank 0): time every collective the sharded model runs. The
+    model's TP layers move tensors through DTensor's `redistribute_local_tensor` (the
+    all-reduce after a row-wise layer, the all-gather of the logits); plain all-reduces go
+    through torch.distributed. The time includes waiting for the slower rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import _redistribute
+
+    def timed(fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _COMM["seconds"] += time.perf_counter() - t0
+                _COMM["calls"] += 1
+        return wrapper
+
+    _redistribute.redistribute_local_tensor = timed(_redistribute.redistribute_local_tensor)
+    dist.all_reduce = timed(dist.all_reduce)
+    dist.all_gather_into_tensor = timed(dist.all_gather_into_tensor)
 
 
 def build_model(out: Path, layers: int, hidden: int) -> None:
@@ -60,6 +84,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from contbatch.distributed import run_worker
 
     tp = int(os.environ.get("WORLD_SIZE", 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     model, _ = load_model(args.model, device=args.device, tp_plan="auto" if tp > 1 else None)
     if tp > 1 and dist.get_rank() != 0:
         run_worker(model)
@@ -69,7 +94,11 @@ def rank_main(args: argparse.Namespace) -> None:
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    manager = ContinuousBatchingManager(model, None, ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens))
+    if tp > 1:
+        time_collectives()
+    # The same linear kernels at every size (TP turns the CPU linear router off): only TP differs.
+    config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, cpu_linear_kernel="aten")
+    manager = ContinuousBatchingManager(model, None, config)
     runner = manager.core.runner
     manager.start()
 
@@ -80,28 +109,20 @@ def rank_main(args: argparse.Namespace) -> None:
     tokens = batch()  # warm-up
     times, steps0 = [], manager.stats()["steps"]
     send0 = (getattr(runner, "send_seconds", 0.0), getattr(runner, "sends", 0))
+    comm0 = _COMM["seconds"]
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         batch()
         times.append(time.perf_counter() - t0)
     steps = manager.stats()["steps"] - steps0
     send_s = getattr(runner, "send_seconds", 0.0) - send0[0]
-    from torch.profiler import ProfilerActivity, profile
-
-    before = manager.stats()["steps"]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        batch()
-        profiled_s = time.perf_counter() - t0
-    profiled_steps = manager.stats()["steps"] - before
-    comm = sum(e.self_cpu_time_total for e in prof.key_averages()
-               if any(m in e.key.lower() for m in _COLLECTIVE_MARKS)) / 1e6
+    comm = _COMM["seconds"] - comm0
     manager.stop()
     manager.destroy()
     Path(args.out).write_text(json.dumps({
         "tp": tp, "times": times, "tokens_per_batch": args.prompts * args.new_tokens, "steps": steps,
-        "broadcast_s_per_step": send_s / steps if steps else 0.0, "collective_s_per_step": comm / profiled_steps,
-        "profiled_s": profiled_s, "profiled_steps": profiled_steps, "first_tokens": tokens,
+        "broadcast_s_per_step": send_s / steps if steps else 0.0, "collective_s_per_step": comm / steps if steps else 0.0,
+        "first_tokens": tokens,
         "threads": torch.get_num_threads(),
     }))
     if tp > 1:
@@ -137,41 +158,51 @@ def main() -> None:
     if args.model is None:
         args.model = str(tmp / "model")
         build_model(Path(args.model), args.layers, args.hidden)
+    cores = os.cpu_count() or 1
+    # (label, ranks, threads per rank): every core for one process, the same cores split over
+    # two ranks, and one process on one thread (what each TP rank gets here).
+    systems = [("tp1", 1, cores), ("tp2", 2, max(1, cores // 2))]
+    if args.device == "cpu" and cores // 2 != cores:
+        systems.append(("tp1-half", 1, max(1, cores // 2)))
     load_before = os.getloadavg()[0]
-    runs: dict[int, list[dict]] = {1: [], 2: []}
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
     for r in range(args.rounds):
-        for tp in ((1, 2) if r % 2 == 0 else (2, 1)):
-            out = tmp / f"tp{tp}-{r}.json"
+        order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotated each round
+        for name, ranks, threads in order:
+            out = tmp / f"{name}-{r}.json"
             cmd = [sys.executable, __file__, "--rank", "--model", args.model, "--out", str(out),
                    *(f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
                      ("prompts", "prompt-len", "new-tokens", "max-batch-tokens", "repeats", "device"))]
-            status = spawn(tp, cmd, timeout=args.timeout)
+            status = spawn(ranks, cmd, timeout=args.timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
             if status != 0:
-                sys.exit(f"TP={tp} run failed with status {status}")
-            runs[tp].append(json.loads(out.read_text()))
+                sys.exit(f"{name} run failed with status {status}")
+            runs[name].append(json.loads(out.read_text()))
     load_after = os.getloadavg()[0]
-    rate = {tp: [r["tokens_per_batch"] / t for r in rs for t in r["times"]] for tp, rs in runs.items()}
-    same = all(r["first_tokens"] == runs[1][0]["first_tokens"] for r in runs[2])
+    rate = {name: [r["tokens_per_batch"] / t for r in rs for t in r["times"]] for name, rs in runs.items()}
+    same = all(r["first_tokens"] == runs["tp1"][0]["first_tokens"] for rs in runs.values() for r in rs)
     summary = {"load_1min_before": load_before, "load_1min_after": load_after, "tokens_equal": same,
                "model": args.model, "args": {k: v for k, v in vars(args).items() if k != "rank"}}
     rows = []
-    for tp, rs in runs.items():
+    for name, ranks, threads in systems:
+        rs = runs[name]
         bc = [r["broadcast_s_per_step"] * 1e3 for r in rs]
         coll = [r["collective_s_per_step"] * 1e3 for r in rs]
         step = [t * 1e3 / (r["steps"] / len(r["times"])) for r in rs for t in r["times"]]
-        summary[f"tp{tp}"] = {"tok_s": rate[tp], "step_ms": step, "broadcast_ms_per_step": bc,
-                              "collective_ms_per_step": coll, "threads_per_rank": rs[0]["threads"]}
-        rows.append(f"| TP={tp} ({tp} x {rs[0]['threads']} threads) | {spread(rate[tp])} | {spread(step)} | "
-                    f"{spread(bc) if tp > 1 else '-'} | {spread(coll) if tp > 1 else '-'} |")
-    ratio = statistics.median(rate[2]) / statistics.median(rate[1])
+        summary[name] = {"ranks": ranks, "threads_per_rank": threads, "tok_s": rate[name], "step_ms": step,
+                         "broadcast_ms_per_step": bc, "collective_ms_per_step": coll}
+        rows.append(f"| TP={ranks}, {threads} thread{'s' * (threads > 1)} per rank | {spread(rate[name])} | "
+                    f"{spread(step)} | {spread(bc) if ranks > 1 else '-'} | {spread(coll) if ranks > 1 else '-'} |")
+    ratios = {name: statistics.median(rate["tp2"]) / statistics.median(rate[name]) for name in runs if name != "tp2"}
     print(f"# TP benchmark: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
-          f"model {args.model}; load (1 min) {load_before:.2f} before, {load_after:.2f} after")
+          f"{args.rounds} rounds x {args.repeats} batches, model {args.model}; load (1 min) {load_before:.2f} "
+          f"before, {load_after:.2f} after")
     print("| system | tokens/s | ms per step | rank 0 batch broadcast, ms/step | model collectives on rank 0, "
-          "ms/step (profiled batch) |")
+          "ms/step |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"TP=2 / TP=1 throughput: {ratio:.2f}x; greedy tokens equal: {same}")
-    summary["ratio_tp2_over_tp1"] = ratio
+    print("TP=2 throughput / " + ", ".join(f"{name}: {v:.2f}x" for name, v in ratios.items())
+          + f"; greedy tokens equal everywhere: {same}")
+    summary["tp2_throughput_ratio"] = ratios
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
 
