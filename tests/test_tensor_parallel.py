@@ -103,6 +103,23 @@ def test_tp_size_not_dividing_kv_heads_refused_at_start(tiny_dir, capsys, monkey
     assert not torch.distributed.is_initialized()
 
 
+def test_request_api_on_a_worker_rank_raises(llama_model):
+    """A worker rank's manager only runs rank 0's steps: every request call says so."""
+    from contbatch import ContinuousBatchingManager
+    from contbatch.distributed import TensorParallel
+
+    manager = ContinuousBatchingManager(llama_model, None, ContinuousBatchingConfig(block_size=4, num_blocks=16))
+    manager.tensor_parallel = TensorParallel(rank=1, size=2, backend="gloo", timeout_s=1.0, group=None)
+    calls = [manager.start, lambda: manager.add_request([5, 6, 7]), lambda: manager.add_requests([[5, 6]]),
+             lambda: manager.get_result("x", timeout=0), lambda: manager.cancel_request("x"), manager.pause,
+             lambda: list(manager.request_id_iter("x"))]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 of 2 \(worker.*only rank 0 takes requests"):
+            call()
+    manager.tensor_parallel = None
+    manager.destroy()
+
+
 @pytest.mark.slow
 def test_tp2_exact_under_kv_pressure_with_offload(tiny_dir, tmp_path, reference):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "pressure")
@@ -125,7 +142,9 @@ def test_tp2_killed_worker_fails_every_request_clearly(tiny_dir, tmp_path):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "kill", "--worker-pid-file", str(tmp_path / "pid"))
     assert worker is None  # it was killed
     assert res["statuses"] == ["failed"] * 3
-    assert all("tensor-parallel worker rank" in e for e in res["errors"]), res["errors"]
+    # Killed mid-forward (a collective fails) or between steps (rank 0's send fails): either way
+    # the error names the cause.
+    assert all("tensor-parallel" in e and "worker rank" in e for e in res["errors"]), res["errors"]
     assert res["seconds"] < 30
     assert "not running" in res["late_add"]  # the engine ended: new requests are refused, not lost
 

@@ -17,6 +17,7 @@ so async batching (tokens carried over on the device) is off under TP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,8 +30,27 @@ from .group import RankFailure, TensorParallel
 
 logger = logging.getLogger("contbatch")
 
-_TENSORS = ("input_ids", "carry", "positions", "write_slots", "cu_seqlens_q", "kv_lens", "block_table",
-            "logits_indices")
+_STATE_FIELDS = ("sampled", "chunks")  # request state: rank 0's alone, never sent
+
+
+def pack_batch(batch: StepBatch) -> dict:
+    """The batch's fields but its request state: tensors as NumPy arrays (they pickle small),
+    the rest as they are; the sampled rows as their count. Every field is sent, whichever the
+    engine adds, so that the workers build the very batch rank 0 runs."""
+    out = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if f.name not in _STATE_FIELDS:
+            out[f.name] = value.numpy() if isinstance(value, torch.Tensor) else value
+    out["num_sampled"] = len(batch.sampled)
+    return out
+
+
+def unpack_batch(packed: dict) -> StepBatch:
+    fields = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in packed.items()
+              if k != "num_sampled"}
+    # The runner counts the sampled rows (the lm-head's rows); which requests they are, it never asks.
+    return StepBatch(**fields, sampled=[None] * packed["num_sampled"], chunks=[])
 
 
 @dataclass
@@ -38,7 +58,7 @@ class StepMessage:
     """What rank 0 sends before a forward, or `stop` to end the workers' loop."""
 
     host_ops: list[tuple[str, tuple]] = field(default_factory=list)  # HostKVTier calls, in order
-    batch: dict[str, np.ndarray] | None = None
+    batch: dict | None = None  # pack_batch's
     stop: bool = False
 
 
@@ -48,36 +68,35 @@ class DriverRunner:
     first one is kept and raised again from then on."""
 
     def __init__(self, runner, tp: TensorParallel, host) -> None:
+        # Set before __setattr__ routes anything: these few are ours, the rest the runner's.
         self.__dict__.update(_runner=runner, _tp=tp, _ops=[], failure=None, send_seconds=0.0, sends=0)
         host.listener = self._record
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # only for names not ours: the engine reads the runner through us
         return getattr(self._runner, name)
 
     def __setattr__(self, name, value) -> None:
-        target = self if name in self.__dict__ else self._runner
-        object.__setattr__(target, name, value)
+        object.__setattr__(self if name in self.__dict__ else self._runner, name, value)
 
     def _record(self, op: str, args: tuple) -> None:
         self._ops.append((op, tuple(list(a) if isinstance(a, list) else a for a in args)))
 
     def launch(self, batch: StepBatch, prev):
         self.check()
-        message = StepMessage(self._ops, {name: getattr(batch, name).numpy() for name in _TENSORS})
-        self.__dict__["_ops"] = []
+        message = StepMessage(self._ops, pack_batch(batch))
+        self._ops = []
         try:
             t0 = time.perf_counter()
             self._tp.send(message)
-            self.__dict__["send_seconds"] += time.perf_counter() - t0
-            self.__dict__["sends"] += 1
+            self.send_seconds += time.perf_counter() - t0
+            self.sends += 1
             return self._runner.launch(batch, prev)
-        except Exception as exc:
+        except Exception as exc:  # raised as the RankFailure: the requests of the step fail with its words
             if self.failure is None:
-                reason = exc if isinstance(exc, RankFailure) else RankFailure(
-                    f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {str(exc)[:200]}); the ranks "
-                    "are out of step, so the engine stops")
-                self.__dict__["failure"] = reason
-            raise
+                self.failure = exc if isinstance(exc, RankFailure) else RankFailure(
+                    f"a tensor-parallel step failed on rank 0, so the engine stops (a worker rank died or hung, or "
+                    f"the step itself failed; the ranks are out of step): {type(exc).__name__}: {str(exc)[:200]}")
+            raise self.failure from exc
 
     def check(self) -> None:
         if self.failure is not None:
@@ -90,8 +109,8 @@ class DriverRunner:
                 self._tp.send(StepMessage(self._ops, stop=True))
             except RankFailure as exc:
                 logger.warning("contbatch: could not stop the tensor-parallel workers: %s", exc)
-            self.__dict__["failure"] = RankFailure("the tensor-parallel workers were stopped with the manager; "
-                                                   "a stopped TP manager cannot start again")
+            self.failure = RankFailure("the tensor-parallel workers were stopped with the manager; a stopped TP "
+                                       "manager cannot start again")
 
 
 def run_worker_loop(manager) -> int:
@@ -115,10 +134,7 @@ def run_worker_loop(manager) -> int:
                     getattr(core.host, op)(*args)
                 if message.stop:
                     return steps
-                batch = message.batch
-                tensors = {name: torch.from_numpy(batch[name]) for name in _TENSORS}
-                rows = [None] * len(tensors["logits_indices"])  # only counted: no request state here
-                core.runner.launch(StepBatch(**tensors, sampled=rows, chunks=[]), None)
+                core.runner.launch(unpack_batch(message.batch), None)
                 steps += 1
     finally:
         detach(manager.model, saved)

@@ -193,6 +193,8 @@ class ContinuousBatchingManager:
         """Stop (hard) and free the KV cache; the manager cannot start again. Under tensor
         parallelism it also releases the engine's own process group (idempotent)."""
         self.stop(hard_stop=True)
+        if self.core is not None and isinstance(self.core.runner, DriverRunner):
+            self.core.runner.stop_workers()  # never started: the workers still wait for a first step
         self.core = None
         if self.tensor_parallel is not None:
             self.tensor_parallel.destroy()
@@ -256,7 +258,7 @@ class ContinuousBatchingManager:
         wait for it. From the engine thread itself (a result handler) it runs at once."""
         if self.core is None:
             raise RuntimeError("this manager was destroyed")
-        self._check_driver(kind.replace("_", " "))
+        self._check_driver(kind)
         if not self.is_running() or threading.current_thread() is self._thread:
             return self._do_control(kind, payload)
         done, box = threading.Event(), {}
@@ -512,4 +514,6 @@ class ContinuousBatchingManager:
             **core,
             "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
             "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
+            **({"tp_steps_sent": runner.sends, "tp_broadcast_seconds": runner.send_seconds}
+               if isinstance(runner := getattr(self.core, "runner", None), DriverRunner) else {}),
         }
