@@ -121,7 +121,7 @@ def rank_main(args: argparse.Namespace) -> None:
     manager.destroy()
     Path(args.out).write_text(json.dumps({
         "tp": tp, "times": times, "tokens_per_batch": args.prompts * args.new_tokens, "steps": steps,
-        "broadcast_s_per_step": send_s / steps if steps else 0.0, "collective_s_per_step": comm / steps if steps else 0.0,
+        "broadcast_s_per_step": send_s / max(steps, 1), "collective_s_per_step": comm / max(steps, 1),
         "first_tokens": tokens,
         "threads": torch.get_num_threads(),
     }))

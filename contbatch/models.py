@@ -97,8 +97,11 @@ def load_model(
     initialized from RANK / WORLD_SIZE / LOCAL_RANK if it is not yet (NCCL on CUDA, each rank
     on cuda:LOCAL_RANK; gloo on the CPU). A size that does not divide the KV heads is a
     ValueError before anything is loaded."""
-    if tp_plan is not None:
+    if tp_plan is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return _load_sharded(name_or_path, dtype, device, tp_plan)
+    if tp_plan is not None:
+        logger.info("contbatch: tp_plan given, but this process is not one of several ranks (WORLD_SIZE unset or "
+                    "1): loading the model whole")
     model, tokenizer = _load(name_or_path, dtype)
     return model.to(device), tokenizer
 

@@ -72,8 +72,10 @@ def run_ranks(tiny_dir: Path, tmp_path: Path, scenario: str, *extra: str) -> tup
 def test_tp2_greedy_equals_single_process_and_drains(tiny_dir, tmp_path, reference):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "generate")
     assert status == 0
-    # Loaded sharded: DTensor weights, half the query heads' rows here; one KV head per rank.
-    assert res["sharding"] == {"dtensor": True, "q_proj_global": [64, 64], "q_proj_local": [32, 64]}
+    # Loaded sharded: DTensor weights, 2 of the 4 query heads (16 dims each) and 1 of the 2 KV
+    # heads here; the cache holds that one KV head.
+    assert res["sharding"] == {"dtensor": True, "q_proj_global": [64, 64], "q_proj_local": [32, 64],
+                               "k_proj_local": [16, 64]}
     assert res["resolved"] == {"num_blocks": 256, "tp_size": 2, "tp_rank": 0, "tp_backend": "gloo",
                                "kv_heads_per_rank": 1}
     # Greedy tokens: model.generate's, and the single-process engine's with the same config.

@@ -33,9 +33,10 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def sharding(model) -> dict:
     from torch.distributed.tensor import DTensor
 
-    q = model.model.layers[0].self_attn.q_proj.weight
-    local = q.to_local() if isinstance(q, DTensor) else q
-    return {"dtensor": isinstance(q, DTensor), "q_proj_global": list(q.shape), "q_proj_local": list(local.shape)}
+    attn = model.model.layers[0].self_attn
+    q, k = attn.q_proj.weight, attn.k_proj.weight
+    return {"dtensor": isinstance(q, DTensor), "q_proj_global": list(q.shape), "q_proj_local": list(q.to_local().shape),
+            "k_proj_local": list(k.to_local().shape)}
 
 
 def scenario_generate(manager, model, args) -> dict:
