@@ -30,6 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Rank 0 gets SIGTERM if the launcher dies (Linux): it drains and stops the workers."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def rank_env(rank: int, size: int, port: int, base: dict | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
@@ -43,7 +53,10 @@ def spawn(size: int, command: Sequence[str], timeout: float | None = None, env: 
     """Run `command` as `size` ranks on this machine; returns rank 0's exit status (124 if it
     ran past `timeout`, every rank then killed)."""
     port = free_port()
-    procs = [subprocess.Popen(list(command), env=rank_env(r, size, port, env)) for r in range(size)]
+    # Each rank in its own session: a terminal's Ctrl-C reaches the launcher alone, which passes
+    # it to rank 0 once (workers killed by it would fail the requests rank 0 is draining).
+    procs = [subprocess.Popen(list(command), env=rank_env(r, size, port, env), start_new_session=True,
+                              preexec_fn=_die_with_parent if r == 0 else None) for r in range(size)]
     logger.info("contbatch: started %d tensor-parallel ranks (pids %s) on 127.0.0.1:%d", size,
                 ", ".join(str(p.pid) for p in procs), port)
 
