@@ -165,7 +165,8 @@ class TensorParallel:
 
     def agree(self, resolved: ResolvedConfig, kv_heads_per_rank: int) -> ResolvedConfig:
         """Block tables address the same slots on every rank: all take the fewest blocks any
-        rank can hold, and rank 0's resolution of everything else."""
+        rank can hold, and rank 0's resolution of everything else but this rank's own device
+        (cuda:LOCAL_RANK) and linear plan."""
         blocks = torch.tensor([resolved.num_blocks], dtype=torch.long)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.group)
         n = int(blocks.item())
@@ -177,7 +178,7 @@ class TensorParallel:
             rule += f"; lowered to {n}, the fewest any of the {self.size} ranks can hold"
         per_block = base.kv_cache_bytes // (base.num_blocks + 2)
         return dataclasses.replace(
-            base, num_blocks=n, num_blocks_rule=rule, max_requests_per_batch=min(base.max_requests_per_batch, n),
+            base, device=resolved.device, num_blocks=n, num_blocks_rule=rule, max_requests_per_batch=min(base.max_requests_per_batch, n),
             kv_cache_bytes=(n + 2) * per_block, tp_size=self.size, tp_rank=self.rank, tp_backend=self.backend,
             kv_heads_per_rank=kv_heads_per_rank, cpu_linear=resolved.cpu_linear,
             notes=base.notes + self.notes, warnings=base.warnings + self.warnings,

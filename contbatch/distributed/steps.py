@@ -3,7 +3,7 @@
 Rank 0 alone schedules, samples, detokenizes and answers requests; the workers are forward
 executors over their shard of the weights and of the KV heads. Before each forward rank 0
 sends the step's batch (token ids, positions, cache slots, block tables: the `StepBatch`
-tensors, tens of kilobytes at most) and the host-tier copies made since the last one, and
+tensors, a few kilobytes for a decode step) and the host-tier copies made since the last one, and
 every rank runs the same forward, whose collectives meet in the model's layers.
 
 Why the batch and not the scheduler's inputs: a replicated scheduler would have to see the
