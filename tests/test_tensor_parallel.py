@@ -64,6 +64,8 @@ def run_ranks(tiny_dir: Path, tmp_path: Path, scenario: str, *extra: str) -> tup
            "--worker-out", str(worker_out), *extra]
     status = spawn(2, cmd, timeout=RUN_TIMEOUT)
     assert status != 124, f"the {scenario} run hung past {RUN_TIMEOUT} s"
+    if not out.exists():  # rank 0 died (on purpose): the worker's report is the result
+        return status, {}, json.loads(worker_out.read_text()) if worker_out.exists() else None
     result = json.loads(out.read_text())
     assert "exception" not in result, result["exception"]
     return status, result, json.loads(worker_out.read_text()) if worker_out.exists() else None
@@ -131,7 +133,6 @@ def test_tp2_exact_under_kv_pressure_with_offload(tiny_dir, tmp_path, reference)
     assert worker == {"steps": res["steps_sent"]}
 
 
-@pytest.mark.slow  # the worker's side of a stop is the graceful test's; this adds rank 0's hard-stop path
 def test_tp2_hard_stop_fails_on_rank0_and_stops_the_worker(tiny_dir, tmp_path):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "hard_stop")
     assert status == 0
@@ -149,6 +150,17 @@ def test_tp2_killed_worker_fails_every_request_clearly(tiny_dir, tmp_path):
     assert all("tensor-parallel" in e and "worker rank" in e for e in res["errors"]), res["errors"]
     assert res["seconds"] < 30
     assert "not running" in res["late_add"]  # the engine ended: new requests are refused, not lost
+
+
+@pytest.mark.slow
+def test_tp2_dead_driver_ends_the_worker(tiny_dir, tmp_path):
+    t0 = time.perf_counter()
+    status, res, worker = run_ranks(tiny_dir, tmp_path, "kill_driver")
+    assert status == -signal.SIGKILL and res == {}
+    # The worker saw rank 0 go (its socket closed) and ended itself with the reason: a worker
+    # still waiting 30 s after rank 0's death is killed by the launcher and leaves no report.
+    assert worker is not None and "rank 1 of 2" in worker["rank_failure"], worker
+    assert time.perf_counter() - t0 < RUN_TIMEOUT
 
 
 @pytest.mark.slow

@@ -105,12 +105,22 @@ def scenario_kill(manager, model, args, sig=signal.SIGKILL) -> dict:
             "seconds": seconds, "late_add": late}
 
 
+def scenario_kill_driver(manager, model, args) -> dict:
+    """Rank 0 dies mid-generation: the worker must notice and end (checked by the test)."""
+    manager.add_requests(prompts(3, model.config.vocab_size),
+                         sampling_params=SamplingParams(max_new_tokens=400, ignore_eos=True))
+    while manager.stats()["steps"] < 3:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def scenario_hang(manager, model, args) -> dict:
     return scenario_kill(manager, model, args, signal.SIGSTOP)
 
 
 SCENARIOS = {"generate": scenario_generate, "hard_stop": scenario_hard_stop,
-             "kill": scenario_kill, "hang": scenario_hang, "pressure": scenario_pressure}
+             "kill": scenario_kill, "hang": scenario_hang, "pressure": scenario_pressure,
+             "kill_driver": scenario_kill_driver}
 CONFIGS = {"pressure": dict(block_size=4, num_blocks=14, max_batch_tokens=32, safety_margin=0.0, cpu_offload_space=1.0,
                             allow_block_sharing=False)}
 
@@ -130,11 +140,17 @@ def main() -> None:
     if dist.get_rank() != 0:
         if args.worker_pid_file:
             open(args.worker_pid_file, "w").write(str(os.getpid()))
-        steps = run_worker(model)
+        from contbatch.distributed import RankFailure
+
+        try:
+            report = {"steps": run_worker(model)}
+        except RankFailure as exc:  # rank 0 is gone: say so and end, never hang
+            report = {"rank_failure": str(exc)}
         if args.worker_out:
             with open(args.worker_out, "w") as f:
-                json.dump({"steps": steps}, f)
-        dist.destroy_process_group()
+                json.dump(report, f)
+        if "steps" in report:
+            dist.destroy_process_group()
         return
     config = ContinuousBatchingConfig(**CONFIGS.get(args.scenario, dict(block_size=4, max_batch_tokens=48,
                                                                          num_blocks=256)))

@@ -115,10 +115,10 @@ class DriverRunner:
 
 def run_worker_loop(manager) -> int:
     """A worker rank: run rank 0's steps until it says stop; returns the steps run. Raises
-    RankFailure when rank 0 goes away, and any error of its own forward: a worker that cannot
-    run a step must end, so that rank 0 sees it and fails its requests, never diverge."""
+    RankFailure when rank 0 goes away or a step cannot run here (rank 0 died mid-forward, or
+    the forward itself failed): a worker that cannot run a step must end, so that rank 0 sees
+    it and fails its requests, never diverge."""
     from ..attention.paged import attach, detach
-
     from ..engine.resolve import describe
 
     tp: TensorParallel = manager.tensor_parallel
@@ -134,7 +134,12 @@ def run_worker_loop(manager) -> int:
                     getattr(core.host, op)(*args)
                 if message.stop:
                     return steps
-                core.runner.launch(unpack_batch(message.batch), None)
+                try:
+                    core.runner.launch(unpack_batch(message.batch), None)
+                except Exception as exc:
+                    raise RankFailure(f"{tp.describe()} could not run step {steps + 1} (rank 0 died or hung "
+                                      f"mid-step, or the forward failed here): {type(exc).__name__}: "
+                                      f"{str(exc)[:200]}") from exc
                 steps += 1
     finally:
         detach(manager.model, saved)
