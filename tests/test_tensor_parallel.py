@@ -219,3 +219,14 @@ def test_tp2_server_answers_openai_client_like_tp1(tiny_dir, reference):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_cli_generate_tp2_writes_what_tp1_writes(tiny_dir, tmp_path):
+    """`contbatch generate --tensor-parallel-size 2` starts its ranks itself; same JSONL as TP=1."""
+    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "8", "--block-size", "4",
+            "--max-batch-tokens", "32", "--ignore-eos", "--quiet"]
+    assert cli_main([*args, "--output", str(tmp_path / "tp1.jsonl")]) == 0
+    assert cli_main([*args, "--tensor-parallel-size", "2", "--output", str(tmp_path / "tp2.jsonl")]) == 0
+    tp1 = (tmp_path / "tp1.jsonl").read_text()
+    assert tp1 and (tmp_path / "tp2.jsonl").read_text() == tp1
