@@ -86,11 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .. import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
-    from ..engine.threads import release_openmp_pool
-    from .app import build_app
-    from .connections import uvicorn_config
-    from .draining import DrainingServer
+    from .. import ContinuousBatchingConfig, load_model
+    from ..distributed.launch import launch_ranks, run_as_rank
 
     settings = server_settings(args)
     config = ContinuousBatchingConfig(
@@ -103,8 +100,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.block_size is not None:
         config = replace(config, block_size=args.block_size)
-
-    from ..distributed.launch import launch_ranks, run_as_rank
 
     status = launch_ranks(args)  # --tensor-parallel-size N: this process starts the N ranks and waits
     if status is not None:
