@@ -11,13 +11,11 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model  # noqa: E402
 from contbatch.distributed import run_worker  # noqa: E402
