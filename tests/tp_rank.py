@@ -16,9 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model  # noqa: E402
-from contbatch.distributed import run_worker  # noqa: E402
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model
+from contbatch.distributed import run_worker
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
