@@ -100,6 +100,16 @@ done
 echo "== host_overhead.py (timeout 35s)"
 timeout --signal=TERM --kill-after=5 35 "$PY" -u benchmarks/host_overhead.py --batches 64 256 --new-tokens 40 \
   --repeats 1 2>&1 | tee "$OUTDIR/host_overhead.md" || echo "== host_overhead.py did not finish (informational)"
+# Tensor parallelism needs two devices or more; informational (greedy tokens TP=2 vs TP=1 and
+# throughput in tp.md), never fails the check, and skipped on a one-device machine.
+ndev=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if (( ndev > 1 )); then
+  echo "== tp.py --device cuda (timeout 150s, $ndev devices)"
+  timeout --signal=TERM --kill-after=10 150 "$PY" -u benchmarks/tp.py --device cuda --rounds 1 --repeats 2 \
+    --out "$OUTDIR/tp.json" 2>&1 | tee "$OUTDIR/tp.md" || echo "== tp.py did not finish (informational)"
+else
+  echo "== tensor parallelism: skipped ($ndev CUDA device; TP needs 2 or more)"
+fi
 mrc=0
 "$PY" -u benchmarks/gpu_check.py --merge --out-dir "$OUTDIR" || mrc=$?
 if (( rc == 0 )); then rc=$mrc; fi

@@ -57,12 +57,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         return cmd_generate_ray(args)
     import torch
+
+    from . import load_model
+    from .cli_options import resolve_device
+    from .distributed.launch import launch_ranks, run_as_rank
+
+    status = launch_ranks(args)  # --tensor-parallel-size N: this process starts the N ranks and waits
+    if status is not None:
+        return status
+    tp_plan = "auto" if args.tensor_parallel_size > 1 else None
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]),
+                                  device=resolve_device(args.device), tp_plan=tp_plan)
+    return run_as_rank(model, lambda: _generate(args, model, tokenizer))
+
+
+def _generate(args: argparse.Namespace, model, tokenizer) -> int:
     from transformers import GenerationConfig
 
-    from . import ContinuousBatchingConfig, SamplingParams, generate_batch, load_model
-    from .cli_options import gpu_config, resolve_device
+    from . import ContinuousBatchingConfig, SamplingParams, generate_batch
+    from .cli_options import gpu_config
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]), device=resolve_device(args.device))
     prompts = _read_prompts(Path(args.input)) if args.input else BUILTIN_PROMPTS
     inputs = [_encode(tokenizer, p, not args.no_chat_template) for p in prompts]
     eos = None if args.ignore_eos else model.generation_config.eos_token_id
@@ -174,6 +188,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what each tensor-parallel rank runs again
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

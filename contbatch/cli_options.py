@@ -19,6 +19,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-level", type=int, choices=[0, 1, 2, 3], default=None,
                    help="torch.compile the step: 0 none, 1 default+dynamic, 2 max-autotune+dynamic, 3 max-autotune "
                         "static shapes (default: the engine's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N processes (started here, one per rank; gloo on the CPU, NCCL on "
+                        "CUDA); N must divide the model's KV heads")
     p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn"], default="auto",
                    help="float32 linear layers on the CPU: auto times MKL (aten) against oneDNN on the model's "
                         "shapes at start-up and takes the faster per shape")

@@ -167,6 +167,12 @@ class ResolvedConfig:
     cpu_linear: object | None = None  # LinearPlan: which float32 weight shapes run on oneDNN
     return_logprobs: bool = False
     speculative: object | None = None  # SpeculativeConfig in force, or None
+    # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's
+    # collectives (None: one process), and the KV heads this rank's cache holds.
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_backend: str | None = None
+    kv_heads_per_rank: int = 0
     notes: tuple[str, ...] = ()  # why a requested feature is off, or reduced
     warnings: tuple[str, ...] = ()  # settings the user asked for that cannot run here
 

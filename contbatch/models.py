@@ -85,12 +85,62 @@ def default_model_dir() -> Path:
 
 
 def load_model(
-    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    tp_plan: str | dict | None = None,
 ):
     """Returns `(model, tokenizer)`: the default model, a local HF folder, or a `.gguf` file,
-    with the model on `device`."""
+    with the model on `device`.
+
+    `tp_plan="auto"` (or a plan dict) shards the model across the process group with
+    transformers' tensor-parallel plan, each rank holding its share of the heads: launched by
+    `torchrun` (or `contbatch.distributed.spawn`), every rank calls this. The group is
+    initialized from RANK / WORLD_SIZE / LOCAL_RANK if it is not yet (NCCL on CUDA, each rank
+    on cuda:LOCAL_RANK; gloo on the CPU). A size that does not divide the KV heads is a
+    ValueError before anything is loaded."""
+    if tp_plan is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return _load_sharded(name_or_path, dtype, device, tp_plan)
+    if tp_plan is not None:
+        logger.info("contbatch: tp_plan given, but this process is not one of several ranks (WORLD_SIZE unset or "
+                    "1): loading the model whole")
     model, tokenizer = _load(name_or_path, dtype)
     return model.to(device), tokenizer
+
+
+def _model_dir(name_or_path: str | os.PathLike | None) -> Path:
+    if name_or_path is None:
+        return default_model_dir()
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not a local model folder or .gguf file (nothing is fetched from a hub)")
+    return path
+
+
+def check_tp_model(name_or_path: str | os.PathLike | None, tp_size: int) -> Path:
+    """The model's folder, if `tp_size` ranks can each hold whole heads of it (else ValueError)."""
+    from transformers import AutoConfig
+
+    from .distributed.group import check_tp_size
+
+    path = _model_dir(name_or_path)
+    if path.suffix == ".gguf":
+        raise ValueError("tensor parallelism loads HF folders (safetensors), not .gguf files: convert it first")
+    check_tp_size(AutoConfig.from_pretrained(str(path)).get_text_config(), tp_size)
+    return path
+
+
+def _load_sharded(name_or_path, dtype: torch.dtype, device: str, tp_plan):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+
+    from .distributed.group import env_world, init_from_env
+
+    _, world, _ = env_world()
+    path = check_tp_model(name_or_path, world)
+    device_type = torch.device(device).type
+    init_from_env(device_type)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                 distributed_config=DistributedConfig(tp_plan=tp_plan))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model.eval(), tokenizer
 
 
 def _load(name_or_path: str | os.PathLike | None, dtype: torch.dtype):

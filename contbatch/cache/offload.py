@@ -8,6 +8,8 @@ tensors, so the scheduler can use it; only the copies touch the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .paged_cache import PagedAttentionCache
@@ -20,6 +22,9 @@ class HostKVTier:
         self.reserved: dict[str, int] = {}  # request id -> host blocks promised to it
         self.used_blocks = 0
         self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # keys, values, tokens
+        # Tensor parallelism: rank 0 hears of every copy (op name, args) and has the workers,
+        # whose caches hold the other KV heads, repeat it before the next forward.
+        self.listener: Callable[[str, tuple], None] | None = None
 
     # -- accounting (scheduler) ----------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -38,10 +43,12 @@ class HostKVTier:
 
     # -- copies (engine, before the forward) ----------------------------------------------
     def copy_out(self, request_id: str, blocks: list[int], num_tokens: int) -> None:
+        self._tell("copy_out", request_id, blocks, num_tokens)
         keys, values = self.cache.copy_out(blocks, num_tokens)
         self._copies[request_id] = (keys, values, num_tokens)
 
     def copy_in(self, request_id: str, blocks: list[int]) -> None:
+        self._tell("copy_in", request_id, blocks)
         keys, values, num_tokens = self._copies.pop(request_id)
         self.cache.copy_in(blocks, num_tokens, keys, values)
 
@@ -49,8 +56,14 @@ class HostKVTier:
         """Forget a request that ended (finished, cancelled, failed) wherever it was."""
         self.release(request_id)
         self._copies.pop(request_id, None)
+        self._tell("drop", request_id)
 
     def clear(self) -> None:
+        self._tell("clear")
         self.reserved.clear()
         self._copies.clear()
         self.used_blocks = 0
+
+    def _tell(self, op: str, *args) -> None:
+        if self.listener is not None:
+            self.listener(op, args)

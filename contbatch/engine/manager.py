@@ -25,6 +25,8 @@ from .cpu_linear import LinearRouter
 from .weights import check_inflight, copy_weights, weight_pairs
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
+from ..distributed.group import RankFailure, TensorParallel
+from ..distributed.steps import DriverRunner
 from ..requests import GenerationOutput, RequestState, RequestStatus
 from ..sampling.params import SamplingParams
 from ..scheduling.scheduler import Scheduler
@@ -51,15 +53,24 @@ class ContinuousBatchingManager:
         tokenizer=None,
     ) -> None:
         self.model = model
+        # Tensor parallelism (a model loaded with tp_plan): every rank builds the engine with
+        # rank 0's config; rank 0 drives, the others run its steps (contbatch/distributed/).
+        self.tensor_parallel = TensorParallel.for_model(model)
+        if self.tensor_parallel is not None:
+            config = self.tensor_parallel.share_config(config)
         self.config = config or ContinuousBatchingConfig()
         check_model_support(model, self.config)  # a model it cannot run exactly is refused here (ValueError)
         self.defaults = stop_defaults(model, generation_config)
         self.resolved_config: ResolvedConfig
         self.resolved_config, layout = resolve_config(self.config, model)
+        if self.tensor_parallel is not None:
+            self.resolved_config = self.tensor_parallel.agree(self.resolved_config, layout.num_kv_heads)
         self.tokenizer = tokenizer
         vocab = model.get_input_embeddings().num_embeddings
         self._builder = RequestBuilder(self.resolved_config, self.defaults, vocab, tokenizer)
         self.core: EngineCore | None = EngineCore(model, self.resolved_config, layout, self._publish)
+        if self.tensor_parallel is not None and self.tensor_parallel.is_driver:
+            self.core.runner = DriverRunner(self.core.runner, self.tensor_parallel, self.core.host)
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
@@ -87,9 +98,12 @@ class ContinuousBatchingManager:
         and `is_warm()` tells when that is done (the server answers 503 until then)."""
         if self.core is None:
             raise RuntimeError("this manager was destroyed; create a new one")
+        self._check_driver("start")
         if self.is_running():
             logger.warning("contbatch manager already running; start() ignored")
             return
+        if isinstance(self.core.runner, DriverRunner):
+            self.core.runner.check()  # its workers were stopped with it, or are gone
         r = self.resolved_config
         self._saved_attn = attach(self.model)
         self._linear_router = LinearRouter(self.model, r.cpu_linear)
@@ -176,9 +190,14 @@ class ContinuousBatchingManager:
         self._fail_all("manager stopped before the request was scheduled")
 
     def destroy(self) -> None:
-        """Stop (hard) and free the KV cache; the manager cannot start again."""
+        """Stop (hard) and free the KV cache; the manager cannot start again. Under tensor
+        parallelism it also releases the engine's own process group (idempotent)."""
         self.stop(hard_stop=True)
+        if self.core is not None and isinstance(self.core.runner, DriverRunner):
+            self.core.runner.stop_workers()  # never started: the workers still wait for a first step
         self.core = None
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.destroy()
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -214,6 +233,9 @@ class ContinuousBatchingManager:
         later tokens use the new weights) or end cancelled (`"abort"`); their outputs list
         the version of each token in `weight_versions`."""
         check_inflight(inflight)
+        if self.tensor_parallel is not None:
+            raise RuntimeError("update_weights() is not supported under tensor parallelism yet (each rank holds a "
+                               "shard of every weight)")
         if self._thread is not None and threading.current_thread() is self._thread:
             raise RuntimeError("update_weights() cannot run in a result handler (the engine thread is mid-step): "
                                "call pause() there and update from another thread")
@@ -236,6 +258,7 @@ class ContinuousBatchingManager:
         wait for it. From the engine thread itself (a result handler) it runs at once."""
         if self.core is None:
             raise RuntimeError("this manager was destroyed")
+        self._check_driver(kind)
         if not self.is_running() or threading.current_thread() is self._thread:
             return self._do_control(kind, payload)
         done, box = threading.Event(), {}
@@ -314,9 +337,17 @@ class ContinuousBatchingManager:
         return [g[0].parent_id for g in groups]
 
     def cancel_request(self, request_id: str) -> None:
+        self._check_driver("cancel_request")
         self._inbox.put(("cancel", request_id))
 
+    def _check_driver(self, call: str) -> None:
+        tp = self.tensor_parallel
+        if tp is not None and not tp.is_driver:
+            raise RuntimeError(f"{call}() on {tp.describe()}: only rank 0 takes requests and commands; run "
+                               "contbatch.distributed.run_worker(model) on the other ranks")
+
     def _check_running(self) -> None:
+        self._check_driver("add_request")
         if not self._accepting or not self.is_running():
             raise RuntimeError("the manager is not running: call start() before adding requests")
 
@@ -353,6 +384,7 @@ class ContinuousBatchingManager:
     # -- results (any thread) ------------------------------------------------------------
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """With an id: wait for that request. Without: the next finished one. None on timeout."""
+        self._check_driver("get_result")
         return self._results.get(request_id, timeout)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
@@ -367,6 +399,7 @@ class ContinuousBatchingManager:
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Incremental outputs of one request; the last one is final and is also retrieved.
         Waiting more than `timeout` seconds for the next output raises TimeoutError."""
+        self._check_driver("request_id_iter")
         chunks = self._results.stream(request_id, timeout)
         if chunks is not None:
             yield from chunks
@@ -399,6 +432,8 @@ class ContinuousBatchingManager:
             with torch.inference_mode():  # once for the thread, not per step
                 self._loop()
         finally:  # however the loop ended (stop(), a crash): the model is the user's again
+            if isinstance(self.core.runner, DriverRunner):
+                self.core.runner.stop_workers()  # graceful: drained already; hard: failed below
             with self._results.lock():  # no submission gets past this point any more...
                 self._accepting = False
             self._fail_all("manager stopped before the request was scheduled")  # ...and any that did is answered
@@ -420,11 +455,13 @@ class ContinuousBatchingManager:
                     break
                 if busy:
                     self.core.step()
+                    if isinstance(self.core.runner, DriverRunner):
+                        self.core.runner.check()  # a rank gone: stop here, failing everything
         except Exception as exc:  # a bug in the loop itself: fail everything, lose nothing
             logger.exception("contbatch engine loop crashed")
             with self._results.lock():
                 self._accepting = False
-            self._fail_all(f"engine loop crashed: {exc!r}")
+            self._fail_all(str(exc) if isinstance(exc, RankFailure) else f"engine loop crashed: {exc!r}")
             return
         if self._stop_mode == "hard":
             self._fail_all("manager stopped (hard stop) before the request finished")
@@ -479,4 +516,6 @@ class ContinuousBatchingManager:
             **core,
             "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
             "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
+            **({"tp_steps_sent": runner.sends, "tp_broadcast_seconds": runner.send_seconds}
+               if isinstance(runner := getattr(self.core, "runner", None), DriverRunner) else {}),
         }

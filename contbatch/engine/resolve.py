@@ -9,6 +9,7 @@ import torch
 from ..attention.backend import choose_backend
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
+from ..distributed.group import shard_layout
 from .compile import resolve_compile
 from .cpu_linear import plan_linear
 from ..config import (
@@ -67,7 +68,7 @@ def blocks_from_hint(max_prompt: int, max_generated: int, block_size: int) -> in
 def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tuple[ResolvedConfig, KVLayout]:
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    layout = KVLayout.from_model_config(model.config, dtype)
+    layout = shard_layout(KVLayout.from_model_config(model.config, dtype), model)  # this rank's KV heads
     spec = cfg.speculative_config
     # A step's accepted proposals decide the next step's tokens and positions: it cannot be
     # planned before they are read, so speculation runs steps one after the other.
@@ -163,6 +164,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
         return_logprobs=cfg.return_logprobs,
         speculative=spec,
+        kv_heads_per_rank=layout.num_kv_heads,
     )
     return resolved, layout
 
@@ -195,6 +197,8 @@ def describe(resolved: ResolvedConfig) -> str:
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
         f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks) "
         f"speculative={resolved.speculative.describe() if resolved.speculative else 'off'}"
+        + (f" tensor_parallel: rank {resolved.tp_rank} of {resolved.tp_size} ({resolved.tp_backend}), "
+           f"{resolved.kv_heads_per_rank} KV heads per rank" if resolved.tp_size > 1 else "")
         + "".join(f"; note: {n}" for n in resolved.notes)
         + "".join(f"; WARNING: {w}" for w in resolved.warnings)
     )

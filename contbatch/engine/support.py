@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..attention.backend import choose_backend
 from ..attention.paged import ENGINE_MASK, is_attached
 from ..cache.paged_cache import KVLayout
+from ..distributed.group import shard_layout
 from ..config import ContinuousBatchingConfig
 
 PROBE_ATTENTION = "contbatch_probe"
@@ -94,7 +95,7 @@ def _check(model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
     _check_config(text)
     _check_classes(model, text)
     _check_heads(text)
-    layout = KVLayout.from_model_config(model.config, torch.float32)
+    layout = shard_layout(KVLayout.from_model_config(model.config, torch.float32), model)  # per TP rank
     if is_attached(model):  # attached to a running manager: not probed again
         calls = _probed.get(model)
         if calls is None:

@@ -86,11 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .. import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
-    from ..engine.threads import release_openmp_pool
-    from .app import build_app
-    from .connections import uvicorn_config
-    from .draining import DrainingServer
+    from .. import ContinuousBatchingConfig, load_model
+    from ..distributed.launch import launch_ranks, run_as_rank
 
     settings = server_settings(args)
     config = ContinuousBatchingConfig(
@@ -104,7 +101,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.block_size is not None:
         config = replace(config, block_size=args.block_size)
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=resolve_device(args.device))
+    status = launch_ranks(args)  # --tensor-parallel-size N: this process starts the N ranks and waits
+    if status is not None:
+        return status
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=resolve_device(args.device),
+                                  tp_plan="auto" if args.tensor_parallel_size > 1 else None)
+    return run_as_rank(model, lambda: _serve(args, settings, config, model, tokenizer))  # workers: rank 0's steps
+
+
+def _serve(args, settings, config, model, tokenizer) -> int:
+    from .. import ContinuousBatchingManager
+    from ..engine.threads import release_openmp_pool
+    from .app import build_app
+    from .connections import uvicorn_config
+    from .draining import DrainingServer
+
     manager = ContinuousBatchingManager(model, None, config, tokenizer=tokenizer)
     app = build_app(manager, tokenizer, settings)
     banner = {

@@ -1,0 +1,159 @@
+"""One driver, many workers: what rank 0 sends each step, and the loop the workers run.
+
+Rank 0 alone schedules, samples, detokenizes and answers requests; the workers are forward
+executors over their shard of the weights and of the KV heads. Before each forward rank 0
+sends the step's batch (token ids, positions, cache slots, block tables: the `StepBatch`
+tensors, a few kilobytes for a decode step) and the host-tier copies made since the last one, and
+every rank runs the same forward, whose collectives meet in the model's layers.
+
+Why the batch and not the scheduler's inputs: a replicated scheduler would have to see the
+same world on every rank, but some of what it sees is rank 0's alone and depends on timing
+(a structured-output grammar still compiling on a background thread holds its request back,
+a stop string is found by the detokenizer). Sending the batch cannot diverge, costs one small
+broadcast a step, and needs no request state on the workers; sampled tokens reach them as
+the next step's input ids. The price: the step's inputs must be whole on the host when sent,
+so async batching (tokens carried over on the device) is off under TP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..engine.step_batch import StepBatch
+from .group import RankFailure, TensorParallel
+
+logger = logging.getLogger("contbatch")
+
+_STATE_FIELDS = ("sampled", "chunks")  # request state: rank 0's alone, never sent
+
+
+def pack_batch(batch: StepBatch) -> dict:
+    """The batch's fields but its request state: tensors as NumPy arrays (they pickle small),
+    the rest as they are; the sampled rows as their count. Every field is sent, whichever the
+    engine adds, so that the workers build the very batch rank 0 runs."""
+    out = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if f.name not in _STATE_FIELDS:
+            out[f.name] = value.numpy() if isinstance(value, torch.Tensor) else value
+    out["num_sampled"] = len(batch.sampled)
+    return out
+
+
+def unpack_batch(packed: dict) -> StepBatch:
+    fields = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in packed.items()
+              if k != "num_sampled"}
+    # The runner counts the sampled rows (the lm-head's rows); which requests they are, it never asks.
+    return StepBatch(**fields, sampled=[None] * packed["num_sampled"], chunks=[])
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 sends before a forward, or `stop` to end the workers' loop."""
+
+    host_ops: list[tuple[str, tuple]] = field(default_factory=list)  # HostKVTier calls, in order
+    batch: dict | None = None  # pack_batch's
+    stop: bool = False
+
+
+class DriverRunner:
+    """Rank 0's runner: the engine's own `StepRunner`, which first tells the workers. Any
+    failure of a launch is final under TP (the ranks' collectives no longer meet), so the
+    first one is kept and raised again from then on."""
+
+    def __init__(self, runner, tp: TensorParallel, host) -> None:
+        # Set before __setattr__ routes anything: these few are ours, the rest the runner's.
+        self.__dict__.update(_runner=runner, _tp=tp, _ops=[], failure=None, send_seconds=0.0, sends=0)
+        host.listener = self._record
+
+    def __getattr__(self, name):  # only for names not ours: the engine reads the runner through us
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self if name in self.__dict__ else self._runner, name, value)
+
+    def _record(self, op: str, args: tuple) -> None:
+        self._ops.append((op, tuple(list(a) if isinstance(a, list) else a for a in args)))
+
+    def launch(self, batch: StepBatch, prev):
+        self.check()
+        message = StepMessage(self._ops, pack_batch(batch))
+        self._ops = []
+        try:
+            t0 = time.perf_counter()
+            self._tp.send(message)
+            self.send_seconds += time.perf_counter() - t0
+            self.sends += 1
+            return self._runner.launch(batch, prev)
+        except Exception as exc:  # raised as the RankFailure: the requests of the step fail with its words
+            if self.failure is None:
+                self.failure = exc if isinstance(exc, RankFailure) else RankFailure(
+                    f"a tensor-parallel step failed on rank 0, so the engine stops (a worker rank died or hung, or "
+                    f"the step itself failed; the ranks are out of step): {type(exc).__name__}: {str(exc)[:200]}")
+            raise self.failure from exc
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def stop_workers(self) -> None:
+        """Tell the workers to leave their loop (once; not after a failure: they are gone)."""
+        if self.failure is None and self._tp.group is not None:
+            try:
+                self._tp.send(StepMessage(self._ops, stop=True))
+            except RankFailure as exc:
+                logger.warning("contbatch: could not stop the tensor-parallel workers: %s", exc)
+            self.failure = RankFailure("the tensor-parallel workers were stopped with the manager; a stopped TP "
+                                       "manager cannot start again")
+
+
+def run_worker_loop(manager) -> int:
+    """A worker rank: run rank 0's steps until it says stop; returns the steps run. Raises
+    RankFailure when rank 0 goes away or a step cannot run here (rank 0 died mid-forward, or
+    the forward itself failed): a worker that cannot run a step must end, so that rank 0 sees
+    it and fails its requests, never diverge."""
+    from ..attention.paged import attach, detach
+    from ..engine.resolve import describe
+
+    tp: TensorParallel = manager.tensor_parallel
+    core = manager.core
+    logger.info("contbatch: %s; %s", tp.describe(), describe(manager.resolved_config))
+    saved = attach(manager.model)
+    steps = 0
+    try:
+        with torch.inference_mode():
+            while True:
+                message: StepMessage = tp.recv()
+                for op, args in message.host_ops:
+                    getattr(core.host, op)(*args)
+                if message.stop:
+                    return steps
+                try:
+                    core.runner.launch(unpack_batch(message.batch), None)
+                except Exception as exc:
+                    raise RankFailure(f"{tp.describe()} could not run step {steps + 1} (rank 0 died or hung "
+                                      f"mid-step, or the forward failed here): {type(exc).__name__}: "
+                                      f"{str(exc)[:200]}") from exc
+                steps += 1
+    finally:
+        detach(manager.model, saved)
+
+
+def run_worker(model: torch.nn.Module, generation_config=None) -> int:
+    """The whole life of a worker rank: build the engine (rank 0's config arrives at start),
+    run rank 0's steps until it stops, release the engine's group. Returns the steps run."""
+    from ..engine.manager import ContinuousBatchingManager
+
+    manager = ContinuousBatchingManager(model, generation_config)
+    try:
+        steps = run_worker_loop(manager)
+        logger.info("contbatch: %s stopped by rank 0 after %d steps", manager.tensor_parallel.describe(), steps)
+        return steps
+    finally:
+        manager.destroy()
