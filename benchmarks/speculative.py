@@ -4,8 +4,8 @@ Two workloads, single stream and concurrent:
 - repetitive: the model is asked to rewrite a paragraph with one word changed, or to repeat a
   code snippet with a small edit: the answer quotes its prompt, which prompt lookup finds;
 - open-ended: chat questions whose answers do not repeat the prompt.
-Greedy float32, fixed token budget (EOS ends a request early, the same tokens for every
-system: the tokens are checked equal across systems). The draft model is the target's first
+Greedy float32, up to `--new-tokens` (the chat's end-of-turn token ends a request, as it
+would in use; the tokens are checked equal across systems). The draft model is the target's first
 `--draft-layers` layers with its own final norm and head (an untrained early exit, LayerSkip-
 style: same tokenizer, no download): what this machine has, not a tuned draft.
 
@@ -81,9 +81,9 @@ def early_exit_draft(model, layers: int):
     return draft
 
 
-def run(model, ps, new_tokens: int, spec: dict | None, concurrency: int) -> H.Sample:
+def run(model, ps, new_tokens: int, spec: dict | None, concurrency: int, eos: int) -> H.Sample:
     config = ContinuousBatchingConfig(speculative_config=spec, max_requests_per_batch=concurrency)
-    manager = ContinuousBatchingManager(model, GenerationConfig(do_sample=False), config)
+    manager = ContinuousBatchingManager(model, GenerationConfig(do_sample=False, eos_token_id=eos), config)
     manager.start()
     try:
         start = time.perf_counter()
@@ -124,7 +124,8 @@ def main() -> None:
             n = 1 if mode == "single" else args.concurrent
             ps = prompts(tok, workload, n)
             conc = 1 if mode == "single" else n
-            runs = H.run_interleaved({s: (lambda s=s: run(model, ps, args.new_tokens, specs[s], conc)) for s in systems},
+            runs = H.run_interleaved({s: (lambda s=s: run(model, ps, args.new_tokens, specs[s], conc, tok.eos_token_id))
+                                      for s in systems},
                                      args.repeats, warmup=not args.no_warmup, between=H.cleanup)
             base = runs[systems[0]][0].tokens
             for s in systems:

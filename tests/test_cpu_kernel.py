@@ -50,12 +50,16 @@ def test_kernel_refuses_bad_inputs():
 
 
 @needs_kernel
-@pytest.mark.parametrize("fast", [True, False])
-def test_engine_exact_with_and_without_the_kernel(sliding_model, fast):
+@pytest.mark.parametrize("fast,spec", [(True, False), (False, False), (True, True)],
+                         ids=["kernel", "gather", "kernel-speculative"])
+def test_engine_exact_with_and_without_the_kernel(sliding_model, fast, spec):
     """Windowed and soft-capped models: the in-place kernel and the gather reference both
-    give `model.generate`'s tokens, and the resolved config says which ran."""
-    prompts = random_prompts(10, 1, 40, seed=21)
-    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, decode_fast_path=fast)
+    give `model.generate`'s tokens, and the resolved config says which ran. The kernel also
+    takes the short rows (chunks of <= 16 tokens here; with speculation, verification runs)
+    token by token."""
+    prompts = random_prompts(10, 1, 40, seed=21) + ([p * 3 for p in random_prompts(4, 3, 6, seed=22)] if spec else [])
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, decode_fast_path=fast,
+                                      speculative_config={"method": "ngram"} if spec else None)
     assert ContinuousBatchingManager(sliding_model, config=config).resolved_config.decode_fast_path is fast
     gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
     results = generate_batch(sliding_model, prompts, gc, config, progress_bar=False)

@@ -74,7 +74,8 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     assert not aten.resolved_config.cpu_linear.routes_anything
     auto = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
     shapes = {(m.out_features, m.in_features) for m in llama_model.modules() if isinstance(m, torch.nn.Linear)}
-    assert set(auto.onednn_small) <= shapes and set(auto.onednn_large) <= shapes
+    assert set(auto.onednn_small) <= shapes and set(auto.onednn_few) <= shapes and set(auto.onednn_large) <= shapes
+    assert "at 4 rows" in auto.summary
     assert "probed in" in auto.summary  # the verdict and its numbers, for the start-up line
     bf16 = make_tiny_model("llama").to(torch.bfloat16)
     plan = ContinuousBatchingManager(bf16, config=ContinuousBatchingConfig()).resolved_config.cpu_linear

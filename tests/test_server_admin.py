@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from contbatch import load_model
 
-from test_server import GREEDY, MODEL, reference_texts, start_server, tiny_dir  # noqa: F401  (fixture)
+from test_server import GREEDY, MODEL, reference_texts, start_server
 
 NAME = "model.layers.1.mlp.down_proj.weight"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from test_server import MODEL, chat_ids, tiny_dir, wait_for  # noqa: F401 (tiny_dir is a fixture)
+from test_server import MODEL, chat_ids, wait_for
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
 from contbatch.server import ServerSettings, build_app

@@ -70,6 +70,20 @@ def test_config_is_validated():
         SpeculativeConfig(num_speculative_tokens=3)
 
 
+def test_proposals_stay_within_the_step_row_budget():
+    """Oldest first: three decoding requests and max_step_rows=7 leave 4 rows for proposals."""
+    from contbatch import RequestState, RequestStatus
+    from contbatch.speculative import Speculator
+
+    states = []
+    for i in range(3):
+        s = RequestState(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=50, arrival=i, params=SamplingParams(temperature=0))
+        s.num_computed_tokens, s.status = 7, RequestStatus.DECODING
+        states.append(s)
+    Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=7)).propose(reversed(states))
+    assert [s.draft_tokens for s in states] == [[3, 1, 2], [3], []]
+
+
 # -- greedy: exact ----------------------------------------------------------------------------
 def test_ngram_greedy_equals_generate_mixed_chunked(tiny_model):
     """Repetitive and random prompts together, 4-token blocks, chunked prefill beside
@@ -171,7 +185,7 @@ def test_resolved_config_says_it_and_async_is_off(llama_model):
     config = ContinuousBatchingConfig(use_async_batching=True, speculative_config=_spec())
     with continuous_batching(llama_model, GREEDY, config) as m:
         r = m.resolved_config
-    assert r.speculative == SpeculativeConfig() and not r.use_async_batching
+    assert r.speculative == SpeculativeConfig(max_step_rows=24) and not r.use_async_batching  # the CPU's rows
     assert any("speculative decoding" in n for n in r.notes)
     assert any("use_async_batching=True is off" in w for w in r.warnings)
 
@@ -218,8 +232,9 @@ def test_sampling_keeps_the_target_distribution(llama_model, same_draft):
     draft = llama_model if same_draft else make_tiny_model("llama", seed=5)
     exact = _exact_joint(llama_model, prompt, 3, 3)
     n = 1500
+    # Every request proposes every step: no pause, and no row budget (1500 requests decode at once).
     config = ContinuousBatchingConfig(speculative_config=_spec("draft_model", model=draft, num_speculative_tokens=2,
-                                                               min_acceptance_rate=0.0))
+                                                               min_acceptance_rate=0.0, max_step_rows=10**6))
     gc = GenerationConfig(max_new_tokens=3, do_sample=True, eos_token_id=None)
     with continuous_batching(llama_model, gc, config) as m:
         ids = [m.add_request(prompt, sampling_params=SamplingParams(temperature=1.0, top_k=3, seed=s))

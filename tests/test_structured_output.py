@@ -26,7 +26,6 @@ from pydantic import BaseModel, Field
 
 from contbatch import (
     ContinuousBatchingConfig,
-    ContinuousBatchingManager,
     RequestStatus,
     SamplingParams,
     StructuredOutput,

@@ -28,6 +28,10 @@ from . import cpu_kernel
 from .metadata import StepMetadata, visible_keys
 
 MAX_DECODE_GROUPS = 4
+# Rows of up to this many query tokens (speculative verification, short chunks) go through the
+# decode kernel token by token: for so few queries, reading K/V in place beats gathering every
+# key for SDPA (one verification step of the default model: 50 ms through SDPA, see RESULTS).
+KERNEL_MAX_QUERY = 16
 MIN_DECODE_GROUP_ROWS = 8
 
 
@@ -85,6 +89,13 @@ class TorchStep:
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the kernel runs
 
 
+def _leading_short_rows(q_lens: torch.Tensor) -> int:
+    """How many leading requests compute at most KERNEL_MAX_QUERY tokens (padding requests, with
+    none, end the run): the kernel attends those token by token, reading K/V in place."""
+    short = (q_lens >= 1) & (q_lens <= KERNEL_MAX_QUERY)
+    return int(short.long().cumprod(0).sum()) if short.numel() else 0
+
+
 def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
     """Equal-count groups over the length-sorted decode rows: few enough that per-group
     overhead stays small, enough that padding to each group's maximum stays modest."""
@@ -122,9 +133,18 @@ class TorchBackend:
         num_decode = int((q_lens == 1).sum())
         groups = []
         decode_rows = None
+        if self.fast_decode:
+            # The kernel takes every query token of the leading short rows (decode rows, then
+            # speculative verification runs and short chunks, which the batch orders next), each
+            # token as a row of its own that sees the keys up to its position.
+            num_decode = _leading_short_rows(q_lens)
         if self.fast_decode and num_decode:
-            decode_rows = DecodeRows(num_decode, host["block_table"][:num_decode].to(device, torch.int32),
-                                     host["kv_lens"][:num_decode].to(device, torch.int32).contiguous())
+            lens = q_lens[:num_decode]
+            rows = torch.repeat_interleave(torch.arange(num_decode), lens)
+            offset = torch.arange(int(lens.sum())) - (cu_q[:num_decode] - cu_q[0])[rows]
+            token_kv = kv_lens[rows] - lens[rows] + offset + 1
+            decode_rows = DecodeRows(len(rows), host["block_table"][rows].to(device, torch.int32),
+                                     token_kv.to(device, torch.int32).contiguous())
         for lo, hi in ([] if decode_rows else _split_decode_rows(num_decode)):
             lens = kv_lens[lo:hi]
             length = int(lens.max())

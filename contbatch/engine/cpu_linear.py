@@ -5,8 +5,8 @@ code path: on the 2-core EPYC these machines use, a 64x576x1536 product ran at ~
 through MKL and ~330 through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the kernel PyTorch
 already uses for bfloat16), and the tied 49152-row LM head of the default model at one row
 ran 8 vs 22 GFLOP/s. On other CPUs MKL may win. So at start-up the engine times both kernels
-on each distinct weight shape of the model, at one row (a lone request decoding) and at a
-batch of rows, and routes a layer's calls to oneDNN only where it won by a clear margin.
+on each distinct weight shape of the model, at one row (a lone request decoding), at four
+rows and at a batch of rows, and routes a layer's calls to oneDNN only where it won by a clear margin.
 
 Only calls made inside an engine step are routed (`ops.in_step()`, set on the engine thread
 around each forward): the user's own forward, backward or `model.generate` on the same model
@@ -27,8 +27,11 @@ import torch
 from ..attention import ops
 
 KERNELS = ("auto", "aten", "onednn")
-SMALL_ROWS = 8  # calls with fewer rows than this use the one-row verdict, others the batch verdict
-PROBE_ROWS = (1, 64)
+# Three regimes, each with its own verdict per weight shape: one row (a lone request decoding),
+# a few rows (a handful of requests, or a speculative verification run: MKL's sgemm ran 2-4x
+# slower at 2-8 rows than at one on the EPYC, where oneDNN barely changed), and a batch.
+PROBE_ROWS = (1, 4, 64)
+FEW_ROWS = 16  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 64-row one
 WIN_MARGIN = 1.1  # oneDNN must be this much faster to be chosen: noise must not flip kernels
 _probe_cache: dict[tuple, tuple[float, float]] = {}
 
@@ -73,13 +76,14 @@ class LinearPlan:
     """Which distinct weight shapes go to oneDNN, per regime, and how the choice was made."""
 
     kernel: str  # what the user asked: auto, aten or onednn
-    onednn_small: tuple[tuple[int, int], ...]  # (out, in) shapes routed at < SMALL_ROWS rows
-    onednn_large: tuple[tuple[int, int], ...]
+    onednn_small: tuple[tuple[int, int], ...]  # (out, in) shapes routed at one row
+    onednn_few: tuple[tuple[int, int], ...]  # ... at 2 .. FEW_ROWS - 1 rows
+    onednn_large: tuple[tuple[int, int], ...]  # ... at FEW_ROWS rows or more
     summary: str
 
     @property
     def routes_anything(self) -> bool:
-        return bool(self.onednn_small or self.onednn_large)
+        return bool(self.onednn_small or self.onednn_large or self.onednn_few)
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -94,12 +98,12 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
     shapes = sorted({(m.out_features, m.in_features) for m in _candidates(model)})
     if kernel == "aten" or not shapes:
         why = "as asked" if kernel == "aten" else "no float32 CPU nn.Linear layers"
-        return LinearPlan(kernel, (), (), f"aten ({why})")
+        return LinearPlan(kernel, (), (), (), f"aten ({why})")
     if not onednn_available():
-        return LinearPlan(kernel, (), (), "aten (this PyTorch build has no oneDNN linear)")
+        return LinearPlan(kernel, (), (), (), "aten (this PyTorch build has no oneDNN linear)")
     if kernel == "onednn":
         every = tuple(shapes)
-        return LinearPlan(kernel, every, every, f"onednn for all {len(shapes)} weight shapes (as asked)")
+        return LinearPlan(kernel, every, every, every, f"onednn for all {len(shapes)} weight shapes (as asked)")
     start = time.perf_counter()
     chosen: dict[int, set] = {rows: set() for rows in PROBE_ROWS}
     speedups: dict[int, list[float]] = {rows: [] for rows in PROBE_ROWS}
@@ -109,18 +113,19 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
             speedups[rows].append(aten / onednn)
             if aten > WIN_MARGIN * onednn:
                 chosen[rows].add(shape)
-    small, large = (tuple(sorted(chosen[r])) for r in PROBE_ROWS)
+    small, few, large = (tuple(sorted(chosen[r])) for r in PROBE_ROWS)
     parts = [f"onednn for {len(chosen[r])}/{len(shapes)} weight shapes at {r} row{'s' * (r > 1)} "
              f"(aten/onednn time {min(speedups[r]):.2f}-{max(speedups[r]):.2f}x)" for r in PROBE_ROWS]
     summary = "; ".join(parts) + f"; probed in {time.perf_counter() - start:.2f} s, kept where >= {WIN_MARGIN}x"
-    return LinearPlan(kernel, small, large, summary)
+    return LinearPlan(kernel, small, few, large, summary)
 
 
 def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     route = self._contbatch_route
     # is_compiling() first: Dynamo folds it to True and never traces the thread-local read.
     if not torch.compiler.is_compiling() and ops.in_step() and input.dtype == torch.float32:
-        if route[input.numel() >= SMALL_ROWS * self.in_features]:
+        rows = input.numel() // self.in_features
+        if route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]:
             return onednn_linear(input, self.weight, self.bias)
     return torch.nn.Linear.forward(self, input)
 
@@ -138,7 +143,7 @@ class LinearRouter:
             return
         for m in _candidates(self.model):
             shape = (m.out_features, m.in_features)
-            route = (shape in self.plan.onednn_small, shape in self.plan.onednn_large)
+            route = (shape in self.plan.onednn_small, shape in self.plan.onednn_few, shape in self.plan.onednn_large)
             if any(route):
                 m._contbatch_route = route
                 m.forward = types.MethodType(_routed_forward, m)

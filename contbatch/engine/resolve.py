@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import psutil
 import torch
@@ -23,6 +24,10 @@ from ..config import (
 )
 
 FALLBACK_CONTEXT = 2048
+# Rows a step may reach with speculative proposals (SpeculativeConfig.max_step_rows): a CPU
+# step stops being bound by reading the weights at a few dozen rows, a GPU's at hundreds.
+CPU_SPEC_ROWS = 24
+GPU_SPEC_ROWS = 256
 FALLBACK_TABLE_TOKENS = 8192  # the reference engine's 32 x 256 fallback, as a floor
 
 
@@ -70,6 +75,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     device, dtype = param.device, param.dtype
     layout = shard_layout(KVLayout.from_model_config(model.config, dtype), model)  # this rank's KV heads
     spec = cfg.speculative_config
+    if spec is not None and spec.max_step_rows is None:
+        spec = dataclasses.replace(spec, max_step_rows=CPU_SPEC_ROWS if device.type == "cpu" else GPU_SPEC_ROWS)
     # A step's accepted proposals decide the next step's tokens and positions: it cannot be
     # planned before they are read, so speculation runs steps one after the other.
     use_async = False if spec is not None else cfg.use_async_batching

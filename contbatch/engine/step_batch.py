@@ -7,8 +7,9 @@ backend that wants more (the CPU's batched decode groups) derives it from the ho
 its `prepare`. Built in bulk from the plan, on the host, then padded (`buckets.py`) and
 copied to the device in one go (`step_runner.py`).
 
-Single-token rows come first, shortest first: the order costs nothing to kernels that walk
-the tables, and lets the CPU backend batch decode rows of similar length.
+Single-token rows come first, shortest first, then short rows (speculative verification runs,
+short chunks), then the rest: the order costs nothing to kernels that walk the tables, and
+lets the CPU backend take the leading rows in its decode kernel, token by token.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..requests import PLACEHOLDER, RequestState
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
+
+
+SHORT_ROW = 16  # = attention/torch_backend.KERNEL_MAX_QUERY: its kernel takes the leading short rows
 
 
 @dataclass
@@ -121,7 +125,8 @@ def build_step_batch(
 ) -> StepBatch:
     """The plan's chunks as one batch; `prev_rows` maps a request id to its row among the
     sampled tokens of the step still in flight, for its placeholder."""
-    chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.state.num_computed_tokens))
+    # Decode rows, then short rows (speculative runs, short chunks), then the rest, each by length.
+    chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.num_tokens > SHORT_ROW, c.state.num_computed_tokens))
     table = table_array([block_manager.table(c.state.request_id) for c in chunks])
     block_size = block_manager.block_size
     step = step_tokens(chunks)

@@ -6,7 +6,9 @@ one to compute), and its processors do not read the history a proposal would cha
 (repetition, presence and frequency penalties, a grammar, min-new-tokens not yet met, top
 logprobs). k never takes it past `max_new_tokens` or its context. A request whose recent
 acceptance falls below `min_acceptance_rate` pauses (8 steps, doubling up to
-`max_pause_steps`): text that does not repeat itself is then decoded at plain speed.
+`max_pause_steps`): text that does not repeat itself is then decoded at plain speed. And
+proposals stop where a step would pass `max_step_rows` rows: past the point where a step is
+bound by reading the weights, verifying proposals costs compute that rejections waste.
 """
 
 from __future__ import annotations
@@ -61,23 +63,26 @@ class Speculator:
 
     def propose(self, states: Iterable[RequestState]) -> None:
         """Set `draft_tokens` on the requests that propose this step (and clear the others':
-        a proposal the scheduler had no room for last step is stale now)."""
-        wanted = []
+        a proposal the scheduler had no room for last step is stale now), oldest first, within
+        the step's row budget."""
+        states = sorted(states, key=lambda s: s.arrival)
+        rows_left = self.config.max_step_rows - sum(s.status == RequestStatus.DECODING for s in states)
+        cfg, wanted = self.config, []
         for state in states:
             state.draft_tokens = []
-            k = self.budget(state)
-            if k > 0:
+            k = min(self.budget(state), rows_left)
+            if k <= 0:
+                continue
+            if self.draft is not None:  # a draft model runs k steps: the rows are taken now
                 wanted.append((state, k))
-        if not wanted:
-            return
-        if self.draft is not None:
-            for state, draft in zip((s for s, _ in wanted), self.draft.propose(wanted)):
+                rows_left -= k
+            else:
+                tokens = np.asarray(state.all_token_ids, dtype=np.int64)
+                state.draft_tokens = propose_ngram(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+                rows_left -= len(state.draft_tokens)
+        if wanted:
+            for (state, _), draft in zip(wanted, self.draft.propose(wanted)):
                 state.draft_tokens = draft
-            return
-        cfg = self.config
-        for state, k in wanted:
-            tokens = np.asarray(state.all_token_ids, dtype=np.int64)
-            state.draft_tokens = propose_ngram(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
 
     def record(self, state: RequestState, proposed: int, accepted: int) -> None:
         """After a verification step: counters, and the back-off of a request that misses."""
