@@ -304,7 +304,7 @@ class Load:
             (c, {"prompt": "hi", "stop": [""]}), (c, {"prompt": "hi", "logprobs": 21}),
             (cc, {"messages": "hi"}), (cc, {"messages": [{"role": "user"}]}), (cc, {"messages": []}),
             (cc, {"messages": msgs, "top_logprobs": 3}), (cc, {"messages": msgs, "tools": []}),
-            (cc, {"messages": msgs, "response_format": {"type": "json_object"}}),
+            (cc, {"messages": msgs, "response_format": {"type": "json_schema"}}),  # no schema given
             (cc, {"messages": msgs, "max_tokens": 0}), (cc, {"messages": msgs, "n": "2"}),
             ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}),
         ]

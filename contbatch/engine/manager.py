@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
 from .cpu_linear import LinearRouter
-from .weights import check_inflight, copy_weights, weight_pairs
+from .control import CONTROL, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..distributed.group import RankFailure, TensorParallel
@@ -41,10 +41,9 @@ from .threads import release_openmp_pool
 logger = logging.getLogger("contbatch")
 
 _IDLE_POLL_S = 0.05
-_CONTROL = ("pause", "resume", "reset_prefix_cache", "weights")  # inbox commands a caller waits on
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(EngineControl):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -201,85 +200,6 @@ class ContinuousBatchingManager:
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    # -- pause, resume, weights (any thread) ---------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        return self.core.weight_version if self.core else 0
-
-    def is_paused(self) -> bool:
-        return self._paused
-
-    def pause(self, timeout: float | None = None) -> None:
-        """Stop scheduling steps once the step in flight is done; requests keep their KV and
-        new ones wait. Returns when the engine is idle. Idempotent."""
-        self._control("pause", None, timeout)
-
-    def resume(self, timeout: float | None = None) -> None:
-        self._control("resume", None, timeout)
-
-    def reset_prefix_cache(self, timeout: float | None = None) -> int:
-        """Forget every cached prefix; returns the blocks that went back to the free pool."""
-        return self._control("reset_prefix_cache", None, timeout)
-
-    def update_weights(self, weights=None, *, inflight: str = "recompute", timeout: float | None = None) -> int:
-        """Copy new weights into the attached model, in place, and make the engine consistent
-        with them; returns the new `weight_version`.
-
-        `weights`: a state dict or `(name, tensor)` pairs (checked before any copy), or None
-        when the caller already changed the model's parameters (an optimizer step on the same
-        model object). Every cached prefix is dropped. Requests in flight are recomputed with
-        the new weights (`"recompute"`: their tokens so far stay), keep their KV (`"keep"`:
-        later tokens use the new weights) or end cancelled (`"abort"`); their outputs list
-        the version of each token in `weight_versions`."""
-        check_inflight(inflight)
-        if self.tensor_parallel is not None:
-            raise RuntimeError("update_weights() is not supported under tensor parallelism yet (each rank holds a "
-                               "shard of every weight)")
-        if self._thread is not None and threading.current_thread() is self._thread:
-            raise RuntimeError("update_weights() cannot run in a result handler (the engine thread is mid-step): "
-                               "call pause() there and update from another thread")
-        pairs = weight_pairs(self.model, weights) if weights is not None else []
-        was_paused = self._paused
-        self.pause(timeout)
-        try:
-            copy_weights(pairs)
-            result = self._control("weights", inflight, timeout)
-        finally:
-            if not was_paused:
-                self.resume(timeout)
-        logger.info("contbatch: weights updated to version %d (%d tensors; %d requests in flight: %s; %d cached "
-                    "blocks freed)", result["weight_version"], len(pairs), result["requests"], inflight,
-                    result["freed_cached_blocks"])
-        return result["weight_version"]
-
-    def _control(self, kind: str, payload, timeout: float | None):
-        """Run a control command on the engine thread (or here, when no thread runs) and
-        wait for it. From the engine thread itself (a result handler) it runs at once."""
-        if self.core is None:
-            raise RuntimeError("this manager was destroyed")
-        self._check_driver(kind)
-        if not self.is_running() or threading.current_thread() is self._thread:
-            return self._do_control(kind, payload)
-        done, box = threading.Event(), {}
-        self._inbox.put((kind, (payload, done, box)))
-        if not done.wait(timeout):
-            raise TimeoutError(f"the engine did not {kind.replace('_', ' ')} within {timeout} s")
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
-    def _do_control(self, kind: str, payload):
-        if kind == "pause":
-            self.core.flush()
-            self._paused = True
-        elif kind == "resume":
-            self._paused = False
-        elif kind == "reset_prefix_cache":
-            return self.core.reset_prefix_cache()
-        elif kind == "weights":
-            return self.core.weights_changed(payload)
-        return None
 
     # -- submission (any thread) ---------------------------------------------------------
     def add_request(
@@ -478,7 +398,7 @@ class ContinuousBatchingManager:
             elif kind == "cancel":
                 for rid in self._samples.get(payload, [payload]):
                     self.core.cancel(rid)
-            elif kind in _CONTROL:
+            elif kind in CONTROL:
                 arg, done, box = payload
                 try:
                     box["result"] = self._do_control(kind, arg)
@@ -501,7 +421,7 @@ class ContinuousBatchingManager:
                 break
             if kind == "add":
                 pending.append(payload)
-            elif kind in _CONTROL:  # a caller waits on it: answer, never leave it hanging
+            elif kind in CONTROL:  # a caller waits on it: answer, never leave it hanging
                 payload[2]["error"] = RuntimeError("the manager stopped before the command ran")
                 payload[1].set()
         if self.core is not None:

@@ -223,15 +223,19 @@ class Scheduler:
 
     def _draft(self, state: RequestState, tokens_left: int) -> list[int]:
         """The request's proposals (speculative decoding) that fit this step: they count
-        against the token budget, and take blocks only where they are free (never by
-        preempting anyone); otherwise the request decodes one token as usual."""
+        against the token budget, and take blocks only where they are free with a block to
+        spare for every running request (never by preempting anyone); otherwise the request
+        decodes one token as usual."""
         draft, state.draft_tokens = state.draft_tokens, []
         if not draft or state.remaining_tokens != 1:
             return []
         draft = draft[: tokens_left - 1]
-        if draft and self.block_manager.ensure(state.request_id, state.num_computed_tokens + 1 + len(draft)):
-            return draft
-        return []
+        bm, target = self.block_manager, state.num_computed_tokens + 1 + len(draft)
+        # Leave a block per running request: proposals must not push anyone into preemption.
+        need = bm.blocks_missing(state.request_id, target) if draft else 0
+        if not draft or (need and bm.num_free_blocks - need < len(self.running)):
+            return []
+        return draft if bm.ensure(state.request_id, target) else []
 
     # -- in-burst prefix dedup ----------------------------------------------------------
     def _prompt_hashes(self, state: RequestState) -> list[int]:
