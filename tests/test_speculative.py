@@ -177,6 +177,7 @@ def test_non_repeating_requests_pause_speculation(llama_model):
     config = ContinuousBatchingConfig(speculative_config=_spec("draft_model", model=draft, num_speculative_tokens=4))
     outs, stats, _, _ = _run(llama_model, random_prompts(2, 5, 10, seed=22), 60, config)
     assert stats["spec_decode_num_drafts"] < 15  # of ~60 steps per request
+    assert stats["spec_decode_paused_steps"] > 0  # the draft's rounds paused for everyone
     assert all(o.generated_tokens == reference_generate(llama_model, p, 60)
                for p, o in zip(random_prompts(2, 5, 10, seed=22), outs))
 

@@ -8,7 +8,9 @@ logprobs). k never takes it past `max_new_tokens` or its context. A request whos
 acceptance falls below `min_acceptance_rate` pauses (8 steps, doubling up to
 `max_pause_steps`): text that does not repeat itself is then decoded at plain speed. And
 proposals stop where a step would pass `max_step_rows` rows: past the point where a step is
-bound by reading the weights, verifying proposals costs compute that rejections waste.
+bound by reading the weights, verifying proposals costs compute that rejections waste. A
+draft model's round costs k draft steps whoever proposes, so when its acceptance over all
+requests falls below the floor, every request pauses (8 steps, doubling).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .ngram import propose_ngram
 
 FIRST_PAUSE = 8
 EMA_WEIGHT = 0.5  # of the latest verification step in a request's acceptance average
+DRAFT_EMA_WEIGHT = 0.1  # of one request's verification in the draft model's average over all
 
 
 def eligible(state: RequestState) -> bool:
@@ -46,6 +49,10 @@ class Speculator:
         self.proposals = 0  # verification steps with at least one proposed token
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        # A draft model costs its k steps whoever proposes: when its acceptance over every
+        # request falls below the floor, the whole round pauses (8 steps, doubling).
+        self.rate, self.pause, self.backoff = 1.0, 0, FIRST_PAUSE
+        self.paused_steps = 0
 
     def budget(self, state: RequestState) -> int:
         """Tokens this request may propose now (0: none)."""
@@ -66,6 +73,12 @@ class Speculator:
         a proposal the scheduler had no room for last step is stale now), oldest first, within
         the step's row budget."""
         states = sorted(states, key=lambda s: s.arrival)
+        if self.pause > 0:  # a draft model that keeps missing: nobody proposes for now
+            self.pause -= 1
+            self.paused_steps += 1
+            for state in states:
+                state.draft_tokens = []
+            return
         rows_left = self.config.max_step_rows - sum(s.status == RequestStatus.DECODING for s in states)
         cfg, wanted = self.config, []
         for state in states:
@@ -96,6 +109,11 @@ class Speculator:
             state.spec_pause = state.spec_backoff
             state.spec_backoff = min(2 * state.spec_backoff, self.config.max_pause_steps)
             state.spec_rate = 1.0  # a fresh chance after the pause
+        if self.draft is not None:
+            self.rate = (1 - DRAFT_EMA_WEIGHT) * self.rate + DRAFT_EMA_WEIGHT * accepted / proposed
+            if self.rate < self.config.min_acceptance_rate:
+                self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.config.max_pause_steps)
+                self.rate = 1.0
 
     def forget(self, request_id: str) -> None:
         """The request has ended: a draft model's shadow of it goes."""
@@ -114,6 +132,7 @@ class Speculator:
             "spec_decode_num_accepted_tokens": self.accepted_tokens,
             "spec_decode_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "spec_decode_draft_seconds": self.draft.seconds if self.draft is not None else 0.0,
+            "spec_decode_paused_steps": self.paused_steps,
         }
 
 
