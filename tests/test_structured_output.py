@@ -222,7 +222,11 @@ def test_every_output_validates_under_sampling_and_preemption(tiny, tok, async_b
             validate(sample.text, schema)
 
 
-def test_regex_choice_grammar_and_how_requests_end(tiny, tok):
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "beside-speculation"])
+def test_regex_choice_grammar_and_how_requests_end(tiny, tok, speculative):
+    """Every way a constrained request ends. Beside speculation: one free request proposes
+    (a copy of the model as its draft, so every step is a verification step) and the
+    constrained ones, which never propose, are applied through the verification path."""
     regex = r"[A-Z][a-z]{1,6}-\d{2,3}"
     choices = ["yes", "no", 'maybe "so"', "naïve\n"]
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "z"+'
@@ -241,7 +245,13 @@ def test_regex_choice_grammar_and_how_requests_end(tiny, tok):
         SamplingParams(temperature=0, max_new_tokens=10, logit_bias={tok.encode("maybe")[0]: 100.0},
                        structured_output=StructuredOutput(choice=["yes", "no"])),
     ]
-    outs, _ = run(tiny, tok, prompts(tok, len(cases), seed=1), cases)
+    ps, config = prompts(tok, len(cases) + 1, seed=1), None
+    if speculative:
+        cases.append(SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True))
+        config = ContinuousBatchingConfig(speculative_config={"method": "draft_model", "model": tiny})
+    outs, stats = run(tiny, tok, ps[: len(cases)], cases, config)
+    if speculative:
+        assert stats["spec_decode_num_accepted_tokens"] > 0
     assert re.fullmatch(regex, outs[0].text) and outs[0].finish_reason == "stop"
     assert all(s.text in choices and s.finish_reason == "stop" for s in outs[1].samples)
     assert re.fullmatch(r"\(([a-c]|z+)(,([a-c]|z+))*\)", outs[2].text)

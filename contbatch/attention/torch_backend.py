@@ -130,14 +130,12 @@ class TorchBackend:
         q_lens = cu_q[1:] - cu_q[:-1]
         kv_lens = host["kv_lens"].long()
         table = host["block_table"].long()
-        num_decode = int((q_lens == 1).sum())
+        # The kernel takes every query token of the leading short rows (decode rows, then
+        # speculative verification runs and short chunks, which the batch orders next), each
+        # token as a row of its own that sees the keys up to its position.
+        num_decode = _leading_short_rows(q_lens) if self.fast_decode else int((q_lens == 1).sum())
         groups = []
         decode_rows = None
-        if self.fast_decode:
-            # The kernel takes every query token of the leading short rows (decode rows, then
-            # speculative verification runs and short chunks, which the batch orders next), each
-            # token as a row of its own that sees the keys up to its position.
-            num_decode = _leading_short_rows(q_lens)
         if self.fast_decode and num_decode:
             lens = q_lens[:num_decode]
             rows = torch.repeat_interleave(torch.arange(num_decode), lens)

@@ -109,7 +109,26 @@ class BlockManager:
         """
         table = self.block_tables.pop(request_id, [])
         self._hashed.pop(request_id, None)
-        for block in reversed(table):
+        self._release(table)
+        return len(table)
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back the request's blocks past those `num_tokens` tokens need (speculative
+        proposals that were rejected); returns how many. Tail blocks hold no complete block
+        of computed tokens, so none of them was ever hashed."""
+        table = self.block_tables.get(request_id)
+        keep = blocks_for(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self._release(tail)
+        return len(tail)
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block, last first. A block nobody uses any more stays
+        cached if it serves its prefix, else it goes back to the free list."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 key = self._keys[block]
@@ -118,24 +137,6 @@ class BlockManager:
                 else:  # never hashed, or a twin of a block that already serves this prefix
                     self._keys[block] = None
                     self._free.append(block)
-        return len(table)
-
-    def trim(self, request_id: str, num_tokens: int) -> int:
-        """Give back the request's blocks past those `num_tokens` tokens need (speculative
-        proposals that were rejected); returns how many. Such tail blocks were taken fresh
-        for the proposals and never hashed, so they go straight back to the free list."""
-        table = self.block_tables.get(request_id)
-        keep = blocks_for(num_tokens, self.block_size)
-        if table is None or len(table) <= keep:
-            return 0
-        tail = table[keep:]
-        del table[keep:]
-        for block in reversed(tail):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._keys[block] = None
-                self._free.append(block)
-        return len(tail)
 
     # -- prefix sharing ------------------------------------------------------------------
     def _keys_for(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):

@@ -183,18 +183,29 @@ class EngineCore:
             if not good:  # a numerical fault must not pass as a token: it fails this request alone
                 self.retire(state, RequestStatus.FAILED, _NON_FINITE)
                 continue
+            if self._take_token(state, token, index):
+                self._settle(state)
+
+    def _take_token(self, state: RequestState, token: int, index: int | None = None) -> bool:
+        """One new token: fill its reserved place (`index`) or append it, advance the grammar,
+        stamp the weight version, check stop strings. Every path that applies tokens comes
+        through here. False when the request failed on it (then it is retired already)."""
+        if index is not None:
             state.set_token(index, token)
-            if state.grammar is not None:
-                try:
-                    if state.grammar.advance(token) and state.finish_reason != "stop":
-                        state.finish(RequestStatus.FINISHED, "stop")  # the grammar has reached its end
-                except GrammarRejected as exc:
-                    self.retire(state, RequestStatus.FAILED, str(exc))
-                    continue
-            state.weight_version = self.weight_version
-            if state.token_versions is not None:
-                state.token_versions.append(self.weight_version)
-            self._after_token(state)
+        else:
+            state.append_token(token)
+        if state.grammar is not None:
+            try:
+                if state.grammar.advance(token) and state.finish_reason != "stop":
+                    state.finish(RequestStatus.FINISHED, "stop")  # the grammar has reached its end
+            except GrammarRejected as exc:
+                self.retire(state, RequestStatus.FAILED, str(exc))
+                return False
+        state.weight_version = self.weight_version
+        if state.token_versions is not None:
+            state.token_versions.append(self.weight_version)
+        self._check_stop_strings(state)
+        return True
 
     def _apply_runs(self, step: InFlight, result, live: list[bool]) -> None:
         """A verification step: each request takes its accepted proposals and the target's
@@ -213,24 +224,20 @@ class EngineCore:
                 self.retire(state, RequestStatus.FAILED, _NON_FINITE)
                 continue
             draft, run = step.batch.drafts[i], runs[i][: lengths[i]]
-            applied = 0
+            applied, retired = 0, False
             for j, token in enumerate(run):
                 if state.status.is_done:
                     break
-                if j == 0:
-                    state.set_token(index, token)
-                else:
-                    state.append_token(token)
-                applied += 1
                 if state.logprobs is not None:
                     state.logprobs.append(run_lps[i][j])
                 if state.top_logprobs is not None:  # only requests that never propose ask for these
-                    k = state.params.top_logprobs
-                    state.top_logprobs.append({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != _NEG_INF})
-                state.weight_version = self.weight_version
-                if state.token_versions is not None:
-                    state.token_versions.append(self.weight_version)
-                self._check_stop_strings(state)
+                    state.top_logprobs.append(_top_entry(state, top_ids[i], top_lps[i]))
+                if not self._take_token(state, token, index if j == 0 else None):
+                    retired = True  # its grammar refused the token
+                    break
+                applied += 1
+            if retired:
+                continue
             if draft:
                 if self.speculator is not None:
                     self.speculator.record(state, len(draft), len(run) - 1)
@@ -238,10 +245,7 @@ class EngineCore:
                     state.num_computed_tokens += applied - 1  # the accepted proposals' KV stays
                     self._cache_full_blocks(state, state.num_computed_tokens)
                     self.cache.block_manager.trim(state.request_id, state.num_computed_tokens + 1)
-            if state.status.is_done:
-                self.retire(state)
-            else:
-                self.publish(state)
+            self._settle(state)
 
     def _cache_full_blocks(self, state: RequestState, upto: int) -> None:
         """Publish the request's blocks completed within `upto` tokens to the prefix cache;
@@ -253,9 +257,8 @@ class EngineCore:
             self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
         state.committed_tokens = upto
 
-    def _after_token(self, state: RequestState) -> None:
-        """Stop strings, then retire or stream the request."""
-        self._check_stop_strings(state)
+    def _settle(self, state: RequestState) -> None:
+        """After a step's tokens: retire the request if they ended it, else stream it."""
         if state.status.is_done:
             self.retire(state)
         else:
@@ -385,6 +388,11 @@ def _record_logprobs(states: list[RequestState], result, live: list[bool]) -> No
         if state.logprobs is not None:
             state.logprobs.append(chosen[i])
         if state.top_logprobs is not None:
-            k = state.params.top_logprobs
-            # A token masked out (top-k/p, min-p) has logprob -inf: it was never a candidate.
-            state.top_logprobs.append({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != _NEG_INF})
+            state.top_logprobs.append(_top_entry(state, top_ids[i], top_lps[i]))
+
+
+def _top_entry(state: RequestState, ids: list[int], logprobs: list[float]) -> dict[int, float]:
+    """The request's k most likely tokens; a token masked out (top-k/p, min-p, a grammar) has
+    logprob -inf: it was never a candidate."""
+    k = state.params.top_logprobs
+    return {t: lp for t, lp in zip(ids[:k], logprobs[:k]) if lp != _NEG_INF}

@@ -20,12 +20,10 @@ from itertools import chain
 import numpy as np
 import torch
 
+from ..attention.torch_backend import KERNEL_MAX_QUERY
 from ..cache.block_manager import BlockManager
 from ..requests import PLACEHOLDER, RequestState
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
-
-
-SHORT_ROW = 16  # = attention/torch_backend.KERNEL_MAX_QUERY: its kernel takes the leading short rows
 
 
 @dataclass
@@ -126,7 +124,7 @@ def build_step_batch(
     """The plan's chunks as one batch; `prev_rows` maps a request id to its row among the
     sampled tokens of the step still in flight, for its placeholder."""
     # Decode rows, then short rows (speculative runs, short chunks), then the rest, each by length.
-    chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.num_tokens > SHORT_ROW, c.state.num_computed_tokens))
+    chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.num_tokens > KERNEL_MAX_QUERY, c.state.num_computed_tokens))
     table = table_array([block_manager.table(c.state.request_id) for c in chunks])
     block_size = block_manager.block_size
     step = step_tokens(chunks)
@@ -147,10 +145,9 @@ def build_step_batch(
     if any(c.draft for c in chunks):
         # Speculation: a request with k proposals has logits on its last k + 1 rows.
         drafts = [chunks[i].draft for i in sampled_rows.tolist()]
-        k = np.fromiter(map(len, drafts), np.int64, len(drafts))
-        ends = np.repeat(last_rows + 1, k + 1)
-        offsets = np.arange(int(k.sum()) + len(k)) - np.repeat(np.cumsum(k + 1) - (k + 1), k + 1)
-        last_rows = ends - np.repeat(k + 1, k + 1) + offsets
+        rows = np.fromiter(map(len, drafts), np.int64, len(drafts)) + 1
+        within = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # 0 .. k per request
+        last_rows = np.repeat(last_rows + 1 - rows, rows) + within
     return StepBatch(
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),

@@ -40,13 +40,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, states, drafts: list[list[int
     k = torch.tensor(counts, dtype=torch.long)
     j = torch.arange(width)
     row_of = _dev(starts[:, None] + torch.minimum(j[None, :], k[:, None]), device)
+    j, k = _dev(j, device), _dev(k, device)
     draft_pad = torch.full((len(drafts), width), -1, dtype=torch.long)
     for i, d in enumerate(drafts):
         draft_pad[i, : len(d)] = torch.tensor(d, dtype=torch.long)
     # Column j holds the proposal row j is asked to confirm: d_{j+1} (-1 where there is none).
     draft_pad = _dev(draft_pad, device)
-    k_dev = _dev(k, device)
-    valid = j.to(device)[None, :] < k_dev[:, None]
+    valid = j[None, :] < k[:, None]
 
     plain = all(r.params.plain_greedy for r in reqs)
     final = logits.float() if plain else sampler.process(logits, reqs)
@@ -82,7 +82,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states, drafts: list[list[int
     accepted = accept.long().cumprod(dim=1).sum(dim=1)  # leading run of accepted proposals
     last_row = row_of.gather(1, accepted[:, None])[:, 0]
     last = chosen[last_row]
-    run = torch.where(j.to(device)[None, :] < accepted[:, None], draft_pad, last[:, None])
+    run = torch.where(j[None, :] < accepted[:, None], draft_pad, last[:, None])
     result = SampleResult(last, ok=_finite_at(final[last_row], last))
     result.run_tokens, result.run_lengths = run, accepted + 1
     if any(r.params.wants_logprobs for r in reqs):

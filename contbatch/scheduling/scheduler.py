@@ -230,10 +230,12 @@ class Scheduler:
         if not draft or state.remaining_tokens != 1:
             return []
         draft = draft[: tokens_left - 1]
+        if not draft:
+            return []
         bm, target = self.block_manager, state.num_computed_tokens + 1 + len(draft)
         # Leave a block per running request: proposals must not push anyone into preemption.
-        need = bm.blocks_missing(state.request_id, target) if draft else 0
-        if not draft or (need and bm.num_free_blocks - need < len(self.running)):
+        need = bm.blocks_missing(state.request_id, target)
+        if need and bm.num_free_blocks - need < len(self.running):
             return []
         return draft if bm.ensure(state.request_id, target) else []
 
