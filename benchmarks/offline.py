@@ -160,6 +160,8 @@ def run_contbatch(model, wl: Workload, cfg: Config) -> H.Sample:
         kw["max_batch_tokens"] = cfg.get("mbt")
     if cfg.get("block"):
         kw["block_size"] = cfg.get("block")
+    if cfg.get("level") is not None:
+        kw["default_compile_level"] = cfg.get("level")
     ids = [f"req_{i}" for i in range(len(wl.prompts))]
     start = time.perf_counter()
     with contbatch.continuous_batching(model, gen, contbatch.ContinuousBatchingConfig(**kw)) as manager:
@@ -354,6 +356,10 @@ def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], floo
             cfgs.append((best[fam], "best"))
         elif best.get(fam):
             cfgs = [(cfgs[0][0], "default = best")]
+        if fam == "contbatch":  # compile levels as rows, on the best configuration (compiled once per
+            # model: the untimed warm-up run pays the compile, as a long-running user would)
+            cfgs += [(cfgs[-1][0].with_(level=level), f"{cfgs[-1][1]}, compile level {level}")
+                     for level in args.compile_levels]
         for cfg, role in cfgs:
             rows[cfg.label] = RowResult(cfg, role)
             systems[cfg.label] = runner(model, tok, wl, cfg)
@@ -418,8 +424,10 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
     wl = Workload("fixed", "text", [prompt], [args.single_new_tokens])
     if is_fp32:
         wl.reference = H.reference_tokens(model, wl.prompts, wl.max_new, tok.pad_token_id, log=log)
-    systems = {"contbatch (default), 1 request": runner(model, tok, wl, Config("contbatch", ())),
-               "model.generate, batch 1": runner(model, tok, wl, Config("padded", (("batch", 1),)))}
+    systems = {"contbatch (default), 1 request": runner(model, tok, wl, Config("contbatch", ()))}
+    for level in args.compile_levels:
+        systems[f"contbatch compile level {level}, 1 request"] = runner(model, tok, wl, Config("contbatch", (("level", level),)))
+    systems["model.generate, batch 1"] = runner(model, tok, wl, Config("padded", (("batch", 1),)))
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
     floor_wr = ceilings["weight_read_gb_s"] * 1e9 / ceilings["weight_bytes"]
     floor_mm = wl.generated_tokens / (2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
@@ -568,6 +576,7 @@ def main() -> None:
     p.add_argument("--mixed-min", type=int, default=16, help="mixed workload: max_new_tokens drawn log-uniform from")
     p.add_argument("--mixed-max", type=int, default=256, help="... to this")
     p.add_argument("--single-new-tokens", type=int, default=256, help="single-stream row (0: skip it)")
+    p.add_argument("--compile-levels", default="", help="comma list of compile levels (1-3) added as contbatch rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", choices=["full", "quick", "none"], default="full",
                    help="each system's knobs: full grid, one alternative each, or defaults only")
@@ -578,6 +587,7 @@ def main() -> None:
         args.sweep = "quick"
     args.families = [s for s in args.systems.split(",") if s]
     args.sources = [s for s in args.sources_arg.split(",") if s]
+    args.compile_levels = [int(v) for v in args.compile_levels.split(",") if v]
     args.workloads = [s for s in args.workloads.split(",") if s]
     if bad := set(args.families) - set(FAMILIES):
         p.error(f"unknown systems {sorted(bad)}")

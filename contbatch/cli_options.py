@@ -22,9 +22,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (started here, one per rank; gloo on the CPU, NCCL on "
                         "CUDA); N must divide the model's KV heads")
-    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn"], default="auto",
-                   help="float32 linear layers on the CPU: auto times MKL (aten) against oneDNN on the model's "
-                        "shapes at start-up and takes the faster per shape")
+    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native"], default="auto",
+                   help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN and our few-row C++ "
+                        "kernel on the model's shapes at start-up and takes the fastest per shape and row count")
     p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft_model (--speculative-model); default off")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per request per step")

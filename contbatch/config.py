@@ -72,8 +72,8 @@ class ContinuousBatchingConfig:
     default_compile_level: int | None = None  # None: 0, by measurement (see engine/compile.py)
     decode_compile_config: object | None = None
     varlen_compile_config: object | None = None
-    # Float32 linear layers on the CPU: "auto" times MKL (aten) against oneDNN on the model's
-    # weight shapes at start-up and routes each to the faster (see engine/cpu_linear.py).
+    # CPU linear layers: "auto" times aten (MKL in float32), oneDNN and our few-row C++ kernel on
+    # the model's weight shapes at start-up and routes each to the fastest (see engine/cpu_linear.py).
     cpu_linear_kernel: str = "auto"
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
@@ -123,8 +123,9 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
-        if self.cpu_linear_kernel not in ("auto", "aten", "onednn"):
-            raise ValueError(f"cpu_linear_kernel must be 'auto', 'aten' or 'onednn', got {self.cpu_linear_kernel!r}")
+        if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native"):
+            raise ValueError("cpu_linear_kernel must be 'auto', 'aten', 'onednn' or 'native', "
+                             f"got {self.cpu_linear_kernel!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 
@@ -164,7 +165,7 @@ class ResolvedConfig:
     compile_level: int = 0
     decode_compile: object | None = None  # CompileChoice, or None: eager
     varlen_compile: object | None = None
-    cpu_linear: object | None = None  # LinearPlan: which float32 weight shapes run on oneDNN
+    cpu_linear: object | None = None  # LinearPlan: the kernel of each linear weight shape, per row regime
     return_logprobs: bool = False
     speculative: object | None = None  # SpeculativeConfig in force, or None
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching, native
+from contbatch.engine import cpu_linear
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -120,6 +121,32 @@ def test_warm_up_in_the_background_then_serve(llama_model):
                 time.sleep(0.05)
             rid = m.add_request([5, 6, 7])
             assert m.get_result(rid, timeout=60).generated_tokens == reference_generate(llama_model, [5, 6, 7], 4)
-            assert m.stats()["compiles"] >= 1 and m.stats()["graph_breaks"] == 0
+            # The second manager reuses the first one's compiled step (kept on the model).
+            assert m.stats()["graph_breaks"] == 0 and all(m.core.runner.compiled.values())
         finally:
             m.destroy()
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+def test_a_second_manager_reuses_the_compiled_step(monkeypatch):
+    """`generate_batch` makes a manager per call: the model's compiled step (per compile
+    choice and linear routing) is kept on the model, so a second manager compiles nothing.
+    The routed linear kernels (our C++ few-row kernel here) run inside the graph as opaque ops."""
+    model = make_tiny_model("llama")
+    calls = []
+    real = cpu_linear.native_linear
+    monkeypatch.setattr(cpu_linear, "native_linear", lambda x, w, b: calls.append(x.shape) or real(x, w, b))
+    eager = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
+    config = ContinuousBatchingConfig(block_size=4, decode_compile_config=eager, varlen_compile_config=eager,
+                                      cpu_linear_kernel="native")
+    prompts = random_prompts(6, 2, 30, seed=8)
+    compiles = []
+    for _ in range(2):
+        with continuous_batching(model, GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None),
+                                 config) as m:
+            outs = [m.get_result(rid, timeout=600) for rid in m.add_requests(prompts)]
+            compiles.append(m.stats()["compiles"])
+        for prompt, out in zip(prompts, outs):
+            assert out.generated_tokens == reference_generate(model, prompt, 5)
+    assert compiles[0] >= 1 and compiles[1] == 0, compiles
+    assert calls, "the compiled step did not call the native linear kernel"

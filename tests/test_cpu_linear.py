@@ -1,14 +1,17 @@
-"""Float32 linear layers on oneDNN inside engine steps only (engine/cpu_linear.py)."""
+"""CPU linear layers on oneDNN or our C++ kernel inside engine steps only (engine/cpu_linear.py)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
+from contbatch import native
 from contbatch.engine import cpu_linear
 
 from conftest import make_tiny_model, random_prompts, reference_generate
@@ -16,7 +19,7 @@ from conftest import make_tiny_model, random_prompts, reference_generate
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="this PyTorch build has no oneDNN linear")
 
 
-@pytest.mark.parametrize("kernel", ["aten", "onednn", "auto"])
+@pytest.mark.parametrize("kernel", ["aten", "onednn", "native", "auto"])
 def test_greedy_output_equals_generate_with_each_kernel(llama_model, kernel):
     prompts = random_prompts(12, 1, 40, seed=5)
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, cpu_linear_kernel=kernel)
@@ -43,7 +46,7 @@ def test_forced_onednn_routes_engine_calls_only_and_is_taken_back():
     manager = ContinuousBatchingManager(model, GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None),
                                         ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
     r = manager.resolved_config.cpu_linear
-    assert r.kernel == "onednn" and r.onednn_large and "as asked" in r.summary
+    assert r.kernel == "onednn" and r.kernels_at(2) and "as asked" in r.summary
     cpu_linear.onednn_linear = counting
     try:
         manager.start()
@@ -73,10 +76,55 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     aten = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(cpu_linear_kernel="aten"))
     assert not aten.resolved_config.cpu_linear.routes_anything
     auto = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
-    shapes = {(m.out_features, m.in_features) for m in llama_model.modules() if isinstance(m, torch.nn.Linear)}
-    assert set(auto.onednn_small) <= shapes and set(auto.onednn_few) <= shapes and set(auto.onednn_large) <= shapes
-    assert "at 4 rows" in auto.summary
+    shapes = {(m.out_features, m.in_features, "float32") for m in llama_model.modules()
+              if isinstance(m, torch.nn.Linear)}
+    for regime in range(3):
+        assert set(auto.kernels_at(regime)) <= shapes
+        assert set(auto.kernels_at(regime).values()) <= {"onednn", "native"}
+    assert "4 rows:" in auto.summary and "64 rows:" in auto.summary
     assert "probed in" in auto.summary  # the verdict and its numbers, for the start-up line
-    bf16 = make_tiny_model("llama").to(torch.bfloat16)
-    plan = ContinuousBatchingManager(bf16, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
-    assert not plan.routes_anything and "no float32" in plan.summary
+    json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
+    half = make_tiny_model("llama").to(torch.float16)
+    plan = ContinuousBatchingManager(half, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
+    assert not plan.routes_anything and "no float32 or bfloat16" in plan.summary
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7])
+def test_native_small_linear_matches_float64(rows, dtype):
+    """Every row count it takes, odd widths (the tail past the last 32 values), with and
+    without a bias: float32 accumulation, within rounding of the exact product."""
+    gen = torch.Generator().manual_seed(rows)
+    for out_features, in_features in [(96, 64), (33, 70), (5, 31), (300, 576)]:
+        w = (torch.rand(out_features, in_features, generator=gen) - 0.5).to(dtype)
+        x = (torch.rand(rows, in_features, generator=gen) - 0.5).to(dtype)
+        b = (torch.rand(out_features, generator=gen) - 0.5).to(dtype)
+        for bias in (None, b):
+            got = cpu_linear.native_linear(x[None], w, bias)  # [1, rows, in]: a step's layout
+            assert got.shape == (1, rows, out_features) and got.dtype == dtype
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[0].double(), exact, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+def test_native_small_linear_refuses_what_it_cannot_take():
+    w = torch.rand(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 7 rows"):
+        torch.ops.contbatch_cpu.small_linear(torch.rand(8, 16), w, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.contbatch_cpu.small_linear(torch.rand(2, 16), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.contbatch_cpu.small_linear(torch.rand(2, 16).half(), w.half(), None)
+
+
+def test_probe_streams_weights_from_memory():
+    """The probe times each kernel over many copies of the weight (as a forward reads it from
+    memory), not one hot copy; the pool is as large as the model's linears, within bounds."""
+    pool = cpu_linear._probe_pool(model_bytes=4 << 20, largest=1000, dtype=torch.float32)
+    assert pool.numel() == (4 << 20) // 4
+    assert cpu_linear._probe_pool(1 << 40, 10, torch.float32).numel() == cpu_linear.POOL_BYTES // 4
+    assert cpu_linear._probe_pool(100, 10_000, torch.bfloat16).numel() == 10_000
+    times = cpu_linear._probe(64, 32, 1, pool, ("aten", "onednn"))
+    assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())

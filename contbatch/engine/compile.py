@@ -32,12 +32,15 @@ LEVELS: dict[int, dict | None] = {
     3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
 }
 PATHS = ("decode", "varlen")
-# The default level, by measurement: on the CPU (2-core AMD EPYC, SmolLM2-135M fp32, 64 prompts,
-# `benchmarks/ab.py eager=. compiled=.:--compile-level=1`, 2026-12-01) level 1 ran at 0.69x
-# the eager step's throughput after a 34 s warm-up, so eager stays the default; on a GPU the
+# The default level, by measurement (2-core AMD EPYC, SmolLM2-135M fp32, 2026-12-01): with the
+# routed linear kernels inside the graph, level 1 ran 1.06-1.10x the eager step's throughput
+# (1, 4 and 16 requests, one manager, tokens identical) after 60-100 s of compiling at start-up
+# (30 s of it Dynamo tracing 30 layers, paid again by every new process), so eager stays the
+# default: the compile pays for itself only after ~15 minutes of steady decoding. On a GPU the
 # step runs in CUDA graphs already.
 DEFAULT_LEVEL = 0
-DEFAULT_LEVEL_RULE = "compile level 0 by default: level 1 measured 0.69x eager throughput on the CPU (benchmarks/ab.py)"
+DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 1.06-1.10x eager throughput on the CPU for "
+                      "60-100 s of compiling at start-up (benchmarks/RESULTS.md); pass --compile-level 1 for long runs")
 
 
 @dataclass(frozen=True)
@@ -85,15 +88,23 @@ def resolve_compile(level: int | None, decode_config, varlen_config, device_type
     return level, choices, notes, warnings
 
 
-def compiled_forward(model: torch.nn.Module, choice: CompileChoice) -> Callable[..., torch.Tensor]:
-    """The model's forward, from token ids to the logits of the sampled rows, compiled."""
+def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tuple = ()) -> Callable[..., torch.Tensor]:
+    """The model's forward, from token ids to the logits of the sampled rows, compiled.
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=ENGINE_MASK,
-                    logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
-        return out.logits[0]
+    One per model, choice and `variant` (what else changes the traced code: the float32 linear
+    routing), kept on the model: a second manager on the same model (every `generate_batch`
+    call makes one) reuses the compiled versions instead of tracing 30 layers again, which
+    cost it ~30 s of Dynamo even with Inductor's artefacts on disk."""
+    cache = model.__dict__.setdefault("_contbatch_compiled", {})
+    key = (repr(choice), variant)  # options is a dict: not hashable
+    if key not in cache:
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=ENGINE_MASK,
+                        logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
+            return out.logits[0]
 
-    return torch.compile(_own_code(forward), **choice.kwargs())
+        cache[key] = torch.compile(_own_code(forward), **choice.kwargs())
+    return cache[key]
 
 
 _engines = itertools.count()
@@ -101,8 +112,8 @@ _engines = itertools.count()
 
 def _own_code(fn: Callable) -> Callable:
     """`fn` with a code object of its own. Dynamo keeps compiled versions per code object:
-    without this, every engine of the process (tests, a rollout loop making managers) would
-    pile its versions onto one code object and share one recompile limit."""
+    without this, every model of the process (tests, several models side by side) would pile
+    its versions onto one code object and share one recompile limit."""
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_engines)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 

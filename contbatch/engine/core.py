@@ -63,7 +63,8 @@ class EngineCore:
         graphs = None
         if r.use_cuda_graph:
             graphs = GraphCache(r.max_cached_graphs, capture_cuda_graph, torch.cuda.graph_pool_handle())
-        compiled = {path: compiled_forward(model, choice) if choice else None
+        routing = r.cpu_linear.routes if r.cpu_linear else ()
+        compiled = {path: compiled_forward(model, choice, routing) if choice else None
                     for path, choice in (("decode", r.decode_compile), ("varlen", r.varlen_compile))}
         if any(compiled.values()):
             use_compile_cache(str(cache_dir() / "inductor"))

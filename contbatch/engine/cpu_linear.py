@@ -1,39 +1,54 @@
-"""Float32 linear layers on oneDNN during engine steps, where the machine says it is faster.
+"""CPU linear layers on the fastest kernel the machine has, per weight shape and row count.
 
-PyTorch's CPU `F.linear` in float32 calls MKL's sgemm. On AMD EPYC machines MKL takes a slow
-code path: on the 2-core EPYC these machines use, a 64x576x1536 product ran at ~160 GFLOP/s
-through MKL and ~330 through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the kernel PyTorch
-already uses for bfloat16), and the tied 49152-row LM head of the default model at one row
-ran 8 vs 22 GFLOP/s. On other CPUs MKL may win. So at start-up the engine times both kernels
-on each distinct weight shape of the model, at one row (a lone request decoding), at four
-rows and at a batch of rows, and routes a layer's calls to oneDNN only where it won by a clear margin.
+Three kernels compute `nn.Linear` on the CPU:
+- `aten`: PyTorch's `F.linear` (MKL's sgemm in float32, oneDNN in bfloat16);
+- `onednn`: `torch.ops.mkldnn._linear_pointwise`. On AMD EPYC machines MKL's float32 path is
+  slow: on the 2-core EPYC these machines use, 64x576x1536 ran at ~160 GFLOP/s through MKL and
+  ~330 through oneDNN;
+- `native`: our C++ kernel for one to seven rows (`csrc/small_linear_cpu.cpp`). Those products
+  are bound by reading the weight, and the GEMM kernels read it slowly: one row of 576x1536
+  streamed its weight at ~18 GB/s through MKL, ~27 through oneDNN and ~46 through ours.
+
+At start-up the engine times them on each distinct weight shape and dtype of the model, at
+one row (a lone request decoding), at four rows (a few requests, a speculative verification
+run) and at 64 rows, each timed call reading a different copy of the weight as a forward
+does, and routes a shape to a kernel other than aten only where it wins by a clear margin.
 
 Only calls made inside an engine step are routed (`ops.in_step()`, set on the engine thread
 around each forward): the user's own forward, backward or `model.generate` on the same model
-runs the unmodified `nn.Linear.forward`. Only plain `nn.Linear` modules with float32 CPU
-weights are touched, and only those with no forward of their own already patched in (hooks,
-adapters). The change is rounding only (a different summation order); greedy tokens are
-checked against `model.generate` in the test suite like every kernel choice.
+runs the unmodified `nn.Linear.forward`. A compiled step cannot read that thread-local flag
+while Dynamo traces it, so the runner sets `compiled_step` around its compiled calls and the
+routed layers call the kernels as opaque ops (Inductor's own lowering of the oneDNN linear
+wants weights prepacked by freezing, which would make them constants and `update_weights`
+impossible; without the routing a compiled step ran MKL's sgemm and lost to the eager step).
+Only plain `nn.Linear` modules with float32 or bfloat16 CPU weights are touched, and only
+those with no forward of their own already patched in (hooks, adapters). The change is
+rounding only (a different summation order, float32 accumulation); greedy tokens are checked
+against `model.generate` in the test suite like every kernel choice.
 """
 
 from __future__ import annotations
 
 import time
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..attention import ops
 
-KERNELS = ("auto", "aten", "onednn")
-# Three regimes, each with its own verdict per weight shape: one row (a lone request decoding),
-# a few rows (a handful of requests, or a speculative verification run: MKL's sgemm ran 2-4x
-# slower at 2-8 rows than at one on the EPYC, where oneDNN barely changed), and a batch.
+KERNELS = ("auto", "aten", "onednn", "native")
+DTYPES = (torch.float32, torch.bfloat16)
+# Three regimes, each with its own verdict per weight shape: one row, a few rows (probed at 4:
+# MKL's sgemm ran 2-4x slower at 2-8 rows than at one on the EPYC), and a batch (probed at 64).
 PROBE_ROWS = (1, 4, 64)
-FEW_ROWS = 16  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 64-row one
-WIN_MARGIN = 1.1  # oneDNN must be this much faster to be chosen: noise must not flip kernels
-_probe_cache: dict[tuple, tuple[float, float]] = {}
+FEW_ROWS = 8  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 64-row one
+NATIVE_MAX_ROWS = FEW_ROWS - 1  # what csrc/small_linear_cpu.cpp takes
+WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
+POOL_BYTES = 128 << 20  # probe weights streamed from up to this much memory: 4x this L3 (32 MiB)
+_probe_cache: dict[tuple, dict[str, float]] = {}
 
 
 def onednn_available() -> bool:
@@ -46,87 +61,182 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _seconds(fn, repeats: int) -> float:
-    fn()
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.contbatch_cpu.small_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("contbatch::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return onednn_linear(x, weight, bias)
+
+
+@torch.library.custom_op("contbatch::native_linear", mutates_args=())
+def _native_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return native_linear(x, weight, bias)
+
+
+@_onednn_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@_native_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class _CompiledStep:
+    """Set while the runner calls a compiled step (Dynamo guards on it): routed layers traced
+    then take the opaque ops. A class attribute, not a thread-local, because Dynamo traces it."""
+
+    active = False
+
+
+@contextmanager
+def compiled_step():
+    _CompiledStep.active = True
+    try:
+        yield
+    finally:
+        _CompiledStep.active = False
+
+
+def _seconds(fn, weights: list[torch.Tensor], repeats: int) -> float:
+    """Best-of seconds per call, each pass calling `fn` once on every weight in turn."""
+    for w in weights[:2]:
+        fn(w)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for w in weights:
+            fn(w)
+        best = min(best, (time.perf_counter() - start) / len(weights))
     return best
 
 
-def _probe(out_features: int, in_features: int, rows: int) -> tuple[float, float]:
-    """Best-of seconds (aten, oneDNN) for one product; cached per process and thread count."""
-    key = (out_features, in_features, rows, torch.get_num_threads())
+def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, kernels: tuple[str, ...]
+           ) -> dict[str, float]:
+    """Best-of seconds per kernel for one product, cached per process, thread count and pool.
+    Each timed call reads a different copy of the weight, cut from `pool`: a real forward
+    streams its weights from memory, and timing one weight over and over (hot in the cache)
+    chose the wrong kernel. On the EPYC, one row of 576x1536: MKL 49 us hot vs oneDNN 63, but
+    198 vs 144 us with the weight in memory, which is what a lone request decoding sees."""
+    key = (out_features, in_features, rows, torch.get_num_threads(), pool.numel(), pool.dtype, kernels)
     if key not in _probe_cache:
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(out_features, in_features, generator=gen)
-        x = torch.randn(rows, in_features, generator=gen)
-        work = out_features * in_features * rows
-        repeats = max(3, min(20, int(2e8 // max(work, 1))))
+        size = out_features * in_features
+        weights = [pool[i * size:(i + 1) * size].view(out_features, in_features)
+                   for i in range(max(1, pool.numel() // size))]
+        x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
+        repeats = max(3, min(10, int(2e8 // max(size * rows * len(weights), 1))))
+        fns = {"aten": torch.nn.functional.linear, "onednn": onednn_linear, "native": native_linear}
         with torch.inference_mode():
-            _probe_cache[key] = (_seconds(lambda: torch.nn.functional.linear(x, w), repeats),
-                                 _seconds(lambda: onednn_linear(x, w, None), repeats))
+            _probe_cache[key] = {k: _seconds(lambda w, f=fns[k]: f(x, w, None), weights, repeats) for k in kernels}
     return _probe_cache[key]
+
+
+def _probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> torch.Tensor:
+    """Memory to cut weight copies from: as many bytes as the model's linears of that dtype (so
+    a model small enough to stay in the cache is probed in the cache), at most POOL_BYTES, and
+    at least one copy of the largest weight."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    numel = max(min(model_bytes, POOL_BYTES) // size, largest)
+    return (torch.rand(numel, generator=torch.Generator().manual_seed(0)) - 0.5).to(dtype)
+
+
+Shape = tuple[int, int, str]  # (out_features, in_features, weight dtype name): plain JSON in resolved_config
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """Which distinct weight shapes go to oneDNN, per regime, and how the choice was made."""
+    """The kernel of each weight shape routed away from aten, per regime, and how the choice was made."""
 
-    kernel: str  # what the user asked: auto, aten or onednn
-    onednn_small: tuple[tuple[int, int], ...]  # (out, in) shapes routed at one row
-    onednn_few: tuple[tuple[int, int], ...]  # ... at 2 .. FEW_ROWS - 1 rows
-    onednn_large: tuple[tuple[int, int], ...]  # ... at FEW_ROWS rows or more
+    kernel: str  # what the user asked: auto, aten, onednn or native
+    routes: tuple[tuple[Shape, tuple[str, str, str]], ...]  # shape -> kernel at 1 row, a few rows, a batch
     summary: str
 
     @property
     def routes_anything(self) -> bool:
-        return bool(self.onednn_small or self.onednn_large or self.onednn_few)
+        return bool(self.routes)
+
+    def kernels_at(self, regime: int) -> dict[Shape, str]:
+        """{shape: kernel} at one regime (0: one row, 1: a few, 2: a batch), aten left out."""
+        return {shape: kernels[regime] for shape, kernels in self.routes if kernels[regime] != "aten"}
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules()
-            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+            if type(m) is torch.nn.Linear and m.weight.dtype in DTYPES and m.weight.device.type == "cpu"
             and "forward" not in m.__dict__]
+
+
+def _shape(m: torch.nn.Linear) -> Shape:
+    return (m.out_features, m.in_features, str(m.weight.dtype).removeprefix("torch."))
 
 
 def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
     if kernel not in KERNELS:
         raise ValueError(f"cpu_linear_kernel must be one of {KERNELS}, got {kernel!r}")
-    shapes = sorted({(m.out_features, m.in_features) for m in _candidates(model)})
+    layers = _candidates(model)
+    shapes = sorted({_shape(m) for m in layers})
     if kernel == "aten" or not shapes:
-        why = "as asked" if kernel == "aten" else "no float32 CPU nn.Linear layers"
-        return LinearPlan(kernel, (), (), (), f"aten ({why})")
-    if not onednn_available():
-        return LinearPlan(kernel, (), (), (), "aten (this PyTorch build has no oneDNN linear)")
-    if kernel == "onednn":
-        every = tuple(shapes)
-        return LinearPlan(kernel, every, every, every, f"onednn for all {len(shapes)} weight shapes (as asked)")
+        why = "as asked" if kernel == "aten" else "no float32 or bfloat16 CPU nn.Linear layers"
+        return LinearPlan(kernel, (), f"aten ({why})")
+    available = ["aten"] + ["onednn"] * onednn_available() + ["native"] * native.load()[0]
+    if kernel != "auto":
+        if kernel not in available:
+            return LinearPlan(kernel, (), f"aten ({kernel} is not available here)")
+        few = kernel if kernel == "onednn" else "onednn" if "onednn" in available else "aten"
+        routes = (kernel, kernel, few)
+        return LinearPlan(kernel, tuple((s, routes) for s in shapes), f"{kernel} for all {len(shapes)} weight shapes "
+                          f"(as asked{'; onednn above ' + str(NATIVE_MAX_ROWS) + ' rows' if kernel == 'native' else ''})")
     start = time.perf_counter()
-    chosen: dict[int, set] = {rows: set() for rows in PROBE_ROWS}
-    speedups: dict[int, list[float]] = {rows: [] for rows in PROBE_ROWS}
-    for shape in shapes:
-        for rows in PROBE_ROWS:
-            aten, onednn = _probe(*shape, rows)
-            speedups[rows].append(aten / onednn)
-            if aten > WIN_MARGIN * onednn:
-                chosen[rows].add(shape)
-    small, few, large = (tuple(sorted(chosen[r])) for r in PROBE_ROWS)
-    parts = [f"onednn for {len(chosen[r])}/{len(shapes)} weight shapes at {r} row{'s' * (r > 1)} "
-             f"(aten/onednn time {min(speedups[r]):.2f}-{max(speedups[r]):.2f}x)" for r in PROBE_ROWS]
+    chosen: dict[Shape, list[str]] = {}
+    gains: list[list[float]] = [[] for _ in PROBE_ROWS]
+    for name in sorted({s[2] for s in shapes}):
+        of_dtype = [s for s in shapes if s[2] == name]
+        dtype = getattr(torch, name)
+        pool = _probe_pool(sum(m.weight.numel() for m in layers if m.weight.dtype == dtype) * 4,
+                           max(o * i for o, i, _ in of_dtype), dtype)
+        for shape in of_dtype:
+            chosen[shape] = []
+            for regime, rows in enumerate(PROBE_ROWS):
+                kernels = tuple(k for k in available if k != "native" or rows <= NATIVE_MAX_ROWS)
+                times = _probe(shape[0], shape[1], rows, pool, kernels)
+                best = min(times, key=times.get)
+                gains[regime].append(times["aten"] / times[best])
+                chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
+        del pool
+    routes = tuple((s, tuple(k)) for s, k in chosen.items() if set(k) != {"aten"})
+    parts = []
+    for regime, rows in enumerate(PROBE_ROWS):
+        counts = {k: sum(v[regime] == k for v in chosen.values()) for k in KERNELS[1:]}
+        parts.append(f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
+                     + f" of {len(shapes)} shapes (aten/best time {min(gains[regime]):.2f}-{max(gains[regime]):.2f}x)")
     summary = "; ".join(parts) + f"; probed in {time.perf_counter() - start:.2f} s, kept where >= {WIN_MARGIN}x"
-    return LinearPlan(kernel, small, few, large, summary)
+    return LinearPlan(kernel, routes, summary)
+
+
+def _kernel(route: tuple[str, str, str], rows) -> str:
+    return "aten" if rows == 0 else route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]
 
 
 def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     route = self._contbatch_route
-    # is_compiling() first: Dynamo folds it to True and never traces the thread-local read.
-    if not torch.compiler.is_compiling() and ops.in_step() and input.dtype == torch.float32:
-        rows = input.numel() // self.in_features
-        if route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]:
+    if torch.compiler.is_compiling():  # Dynamo folds this to True and never traces in_step()
+        if _CompiledStep.active and input.dtype == self.weight.dtype:
+            kernel = _kernel(route, input.numel() // self.in_features)
+            if kernel == "onednn":
+                return torch.ops.contbatch.onednn_linear(input, self.weight, self.bias)
+            if kernel == "native":
+                return torch.ops.contbatch.native_linear(input, self.weight, self.bias)
+        return torch.nn.Linear.forward(self, input)
+    if ops.in_step() and input.dtype == self.weight.dtype:
+        kernel = _kernel(route, input.numel() // self.in_features)
+        if kernel == "onednn":
             return onednn_linear(input, self.weight, self.bias)
+        if kernel == "native":
+            return native_linear(input, self.weight, self.bias)
     return torch.nn.Linear.forward(self, input)
 
 
@@ -141,10 +251,10 @@ class LinearRouter:
     def install(self) -> None:
         if not self.plan.routes_anything or self.modules:
             return
+        routes = dict(self.plan.routes)
         for m in _candidates(self.model):
-            shape = (m.out_features, m.in_features)
-            route = (shape in self.plan.onednn_small, shape in self.plan.onednn_few, shape in self.plan.onednn_large)
-            if any(route):
+            route = routes.get(_shape(m))
+            if route is not None:
                 m._contbatch_route = route
                 m.forward = types.MethodType(_routed_forward, m)
                 self.modules.append(m)

@@ -33,6 +33,7 @@ from ..sampling.sampler import SampleResult, Sampler
 from ..sampling.verify import verify
 from .buckets import Bucketing, StepShape, pad_batch, round_up
 from .compile import compile_counters
+from .cpu_linear import compiled_step
 from .step_batch import StepBatch, apply_carry
 from .graphs import GraphCache
 
@@ -274,7 +275,7 @@ class StepRunner:
     def _run_compiled(self, fn: Callable[..., torch.Tensor], meta: StepMetadata,
                       views: dict[str, torch.Tensor]) -> torch.Tensor:
         graphs, breaks = compile_counters()
-        with current_step(meta):
+        with current_step(meta), compiled_step():
             logits = fn(views["input_ids"], views["positions"], views["logits_indices"])
         graphs_after, breaks_after = compile_counters()
         self.compiles += graphs_after - graphs

@@ -1,0 +1,94 @@
+"""Our C++ CPU kernels (`csrc/`), built once per machine into one library of `torch.ops.contbatch_cpu`.
+
+- `paged_decode`: decode attention reading K/V in place through the block tables
+  (`attention/cpu_kernel.py`);
+- `small_linear`: linear layers over one to seven rows, bound by reading the weight
+  (`engine/cpu_linear.py`).
+
+The library is compiled with the machine's own compiler the first time it is needed
+(`make setup` builds it ahead of time) into `$CONTBATCH_CACHE/ext/<hash>`, keyed by the
+sources, the torch version and the CPU's instruction set, so later starts only load it. Where
+it cannot be built (no compiler) each user keeps its PyTorch path and says so at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("contbatch")
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def load() -> tuple[bool, str]:
+    """(available, how): builds or loads the library once per process; never raises."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"], _state["how"] = _load()
+            level = logging.INFO if _state["ok"] else logging.WARNING
+            logger.log(level, "contbatch: C++ CPU kernels: %s", _state["how"])
+        return bool(_state["ok"]), str(_state["how"])
+
+
+def _load() -> tuple[bool, str]:
+    if hasattr(torch.ops, "contbatch_cpu") and hasattr(torch.ops.contbatch_cpu, "small_linear"):
+        return True, "already loaded"
+    from .models import cache_dir
+
+    key = build_key()
+    build_dir = cache_dir() / "ext" / key
+    so = build_dir / f"contbatch_cpu_{key}.so"
+    start = time.perf_counter()
+    try:
+        if so.exists():
+            torch.ops.load_library(str(so))
+            return True, f"loaded {so} in {time.perf_counter() - start:.2f} s"
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:  # the `ninja` wheel puts it next to this interpreter
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"contbatch_cpu_{key}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False,
+        )
+        return True, f"built {so} in {time.perf_counter() - start:.1f} s"
+    except Exception as exc:  # no compiler, no headers, a read-only cache: keep the PyTorch paths
+        return False, f"unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+
+
+if __name__ == "__main__":  # `python -m contbatch.native`: build ahead of time (make setup)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok, how = load()
+    print(how)
