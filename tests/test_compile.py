@@ -7,6 +7,8 @@ exactness at level 1 runs Inductor for real on tiny models.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import time
 
 import pytest
@@ -14,7 +16,6 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching, native
-from contbatch.engine import cpu_linear
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -128,16 +129,19 @@ def test_warm_up_in_the_background_then_serve(llama_model):
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
-def test_a_second_manager_reuses_the_compiled_step(monkeypatch):
+def test_a_second_manager_reuses_the_compiled_step():
     """`generate_batch` makes a manager per call: the model's compiled step (per compile
     choice and linear routing) is kept on the model, so a second manager compiles nothing.
-    The routed linear kernels (our C++ few-row kernel here) run inside the graph as opaque ops."""
+    The routed linear kernels (our C++ few-row kernel here) are nodes of the graph."""
     model = make_tiny_model("llama")
-    calls = []
-    real = cpu_linear.native_linear
-    monkeypatch.setattr(cpu_linear, "native_linear", lambda x, w, b: calls.append(x.shape) or real(x, w, b))
-    eager = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
-    config = ContinuousBatchingConfig(block_size=4, decode_compile_config=eager, varlen_compile_config=eager,
+    targets: list[str] = []
+
+    def recording(gm, example_inputs):  # a Dynamo backend that keeps the graph's calls and runs it as is
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    traced = CompileConfig(backend=recording, fullgraph=True, dynamic=True)
+    config = ContinuousBatchingConfig(block_size=4, decode_compile_config=traced, varlen_compile_config=traced,
                                       cpu_linear_kernel="native")
     prompts = random_prompts(6, 2, 30, seed=8)
     compiles = []
@@ -149,4 +153,15 @@ def test_a_second_manager_reuses_the_compiled_step(monkeypatch):
         for prompt, out in zip(prompts, outs):
             assert out.generated_tokens == reference_generate(model, prompt, 5)
     assert compiles[0] >= 1 and compiles[1] == 0, compiles
-    assert calls, "the compiled step did not call the native linear kernel"
+    assert any("small_linear" in t for t in targets), "the compiled step does not call the native linear kernel"
+    # A copy (an RL reference policy) does not inherit steps that run the original's weights.
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert not twin._contbatch_compiled and pickle.loads(pickle.dumps(model))._contbatch_compiled == {}
+    with continuous_batching(twin, GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None),
+                             config) as m:
+        outs = [m.get_result(rid, timeout=600) for rid in m.add_requests(prompts[:2])]
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(twin, prompt, 5)

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -27,6 +28,12 @@ constexpr int64_t kMaxRows = 7;
 inline float widen(float v) { return v; }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
+// One output: the sum of row r against weight row o, plus the bias, stored in the weight's dtype.
+template <typename W>
+inline void store(W* y, int64_t r, int64_t o, int64_t out_stride, float sum, const float* bias) {
+  y[r * out_stride + o] = static_cast<W>(bias ? sum + bias[o] : sum);
+}
+
 #ifdef CONTBATCH_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -38,7 +45,8 @@ inline __m512 load16(const at::BFloat16* p) {
 // loaded once, 32 values at a time, into two accumulators per input row (two independent
 // FMA chains); the last in % 32 values are summed one by one.
 template <int R, typename W>
-void band(const float* x, const W* w, float* acc_out, int64_t in, int64_t begin, int64_t end, int64_t out_stride) {
+void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
+          int64_t out_stride) {
   for (int64_t o = begin; o < end; ++o) {
     __m512 a[R][2];
 #pragma GCC unroll 8
@@ -57,28 +65,29 @@ void band(const float* x, const W* w, float* acc_out, int64_t in, int64_t begin,
     for (int r = 0; r < R; ++r) {
       float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
       for (int64_t j = i; j < in; ++j) sum += widen(wr[j]) * x[r * in + j];
-      acc_out[r * out_stride + o] = sum;
+      store(y, r, o, out_stride, sum, bias);
     }
   }
 }
 #else
 template <int R, typename W>
-void band(const float* x, const W* w, float* acc_out, int64_t in, int64_t begin, int64_t end, int64_t out_stride) {
+void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
+          int64_t out_stride) {
   for (int64_t o = begin; o < end; ++o) {
     const W* wr = w + o * in;
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * in;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < in; ++i) acc += widen(wr[i]) * xr[i];
-      acc_out[r * out_stride + o] = acc;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < in; ++i) sum += widen(wr[i]) * xr[i];
+      store(y, r, o, out_stride, sum, bias);
     }
   }
 }
 #endif
 
 template <typename W>
-using BandFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
+using BandFn = void (*)(const float*, const W*, const float*, W*, int64_t, int64_t, int64_t, int64_t);
 
 template <typename W>
 BandFn<W> pick(int64_t rows) {
@@ -88,19 +97,36 @@ BandFn<W> pick(int64_t rows) {
 }
 
 template <typename T>
+std::vector<float> widened(const T* p, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(p[i]);
+  return out;
+}
+
+template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-  // Activations in float32 once: a few rows, read from L1 for every weight row.
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  at::Tensor acc = at::empty({rows, out}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  // Activations (and the bias) in float32 once: a few rows, read from L1 for every weight row.
+  std::vector<float> xs, bs;
+  const float* xp = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    xp = x.data_ptr<float>();
+  } else {
+    xs = widened(x.data_ptr<T>(), rows * in);
+    xp = xs.data();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bs = widened(bias->contiguous().data_ptr<T>(), out);
+    bp = bs.data();
+  }
   const T* wp = weight.data_ptr<T>();
-  float* ap = acc.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
   const BandFn<T> fn = pick<T>(rows);
   // Bands of at least 32 features (a few KB of weight each): enough work per task.
-  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) { fn(xp, wp, ap, in, begin, end, out); });
-  if (bias.has_value() && bias->defined()) acc.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) { fn(xp, wp, bp, yp, in, begin, end, out); });
+  return y;
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -108,6 +134,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear takes 1 to ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_linear: x and weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_linear: x and weight must share a dtype");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->numel() == weight.size(0),
+                "small_linear: the bias must have the weight's dtype and one value per output feature");
+  }
   if (weight.scalar_type() == at::kFloat) return run<float>(x, weight, bias);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "small_linear: float32 or bfloat16, got ", weight.scalar_type());
   return run<at::BFloat16>(x, weight, bias);

@@ -95,7 +95,9 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
     routing), kept on the model: a second manager on the same model (every `generate_batch`
     call makes one) reuses the compiled versions instead of tracing 30 layers again, which
     cost it ~30 s of Dynamo even with Inductor's artefacts on disk."""
-    cache = model.__dict__.setdefault("_contbatch_compiled", {})
+    cache = model.__dict__.get("_contbatch_compiled")
+    if cache is None:
+        cache = model.__dict__["_contbatch_compiled"] = CompiledSteps()
     key = (repr(choice), variant)  # options is a dict: not hashable
     if key not in cache:
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -105,6 +107,21 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
 
         cache[key] = torch.compile(_own_code(forward), **choice.kwargs())
     return cache[key]
+
+
+class CompiledSteps(dict):
+    """A model's compiled steps. They close over that model, so a copy of the model (a frozen
+    reference policy made with `copy.deepcopy`, a pickled checkpoint) starts without them:
+    sharing them would run the original's weights."""
+
+    def __copy__(self) -> "CompiledSteps":
+        return CompiledSteps()
+
+    def __deepcopy__(self, memo) -> "CompiledSteps":
+        return CompiledSteps()
+
+    def __reduce__(self):
+        return (CompiledSteps, ())
 
 
 _engines = itertools.count()

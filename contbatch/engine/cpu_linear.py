@@ -18,7 +18,8 @@ Only calls made inside an engine step are routed (`ops.in_step()`, set on the en
 around each forward): the user's own forward, backward or `model.generate` on the same model
 runs the unmodified `nn.Linear.forward`. A compiled step cannot read that thread-local flag
 while Dynamo traces it, so the runner sets `compiled_step` around its compiled calls and the
-routed layers call the kernels as opaque ops (Inductor's own lowering of the oneDNN linear
+routed layers call the kernels as opaque ops (ours directly, with a fake for shapes; oneDNN
+through `contbatch::onednn_linear`: Inductor's own lowering of the oneDNN linear
 wants weights prepacked by freezing, which would make them constants and `update_weights`
 impossible; without the routing a compiled step ran MKL's sgemm and lost to the eager step).
 Only plain `nn.Linear` modules with float32 or bfloat16 CPU weights are touched, and only
@@ -71,19 +72,20 @@ def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return onednn_linear(x, weight, bias)
 
 
-@torch.library.custom_op("contbatch::native_linear", mutates_args=())
-def _native_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return native_linear(x, weight, bias)
-
-
 @_onednn_linear_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@_native_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_fake_registered: list[bool] = []
+
+
+def _register_native_fake() -> None:
+    """Shapes of our C++ `small_linear` for Dynamo, so a compiled step calls it directly (an
+    extern kernel in Inductor's output) rather than through a Python custom op per layer."""
+    if not _fake_registered:
+        torch.library.register_fake("contbatch_cpu::small_linear")(lambda x, w, b: x.new_empty(x.shape[0], w.shape[0]))
+        _fake_registered.append(True)
 
 
 class _CompiledStep:
@@ -183,6 +185,8 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
         why = "as asked" if kernel == "aten" else "no float32 or bfloat16 CPU nn.Linear layers"
         return LinearPlan(kernel, (), f"aten ({why})")
     available = ["aten"] + ["onednn"] * onednn_available() + ["native"] * native.load()[0]
+    if "native" in available:
+        _register_native_fake()
     if kernel != "auto":
         if kernel not in available:
             return LinearPlan(kernel, (), f"aten ({kernel} is not available here)")
@@ -229,7 +233,9 @@ def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
             if kernel == "onednn":
                 return torch.ops.contbatch.onednn_linear(input, self.weight, self.bias)
             if kernel == "native":
-                return torch.ops.contbatch.native_linear(input, self.weight, self.bias)
+                rows = input.reshape(-1, self.in_features).contiguous()
+                out = torch.ops.contbatch_cpu.small_linear(rows, self.weight, self.bias)
+                return out.view(*input.shape[:-1], self.out_features)
         return torch.nn.Linear.forward(self, input)
     if ops.in_step() and input.dtype == self.weight.dtype:
         kernel = _kernel(route, input.numel() // self.in_features)

@@ -1,0 +1,75 @@
+"""CPU linear kernels at few rows: how fast each reads its weight from memory.
+
+A decode step of one to seven requests is bound by reading every weight once. For each of
+the default model's weight shapes (or `--shapes`), each row count and each dtype, this times
+PyTorch's `F.linear` (MKL's sgemm in float32, oneDNN in bfloat16), oneDNN's
+`_linear_pointwise` and our `contbatch_cpu::small_linear`, each call on a different copy of
+the weight cut from `--pool-mb` of memory (as a forward reads them: timing one weight over and
+over measures the cache instead, and chose the wrong kernel), best of `--repeats` passes, and
+prints GB/s of weight read, with the largest error against float64.
+
+    python benchmarks/linear_kernels.py [--rows 1,2,4,7] [--dtypes float32,bfloat16] [--pool-mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from contbatch import native
+from contbatch.engine.cpu_linear import native_linear, onednn_linear
+
+DEFAULT_SHAPES = "1536x576,576x1536,576x576,192x576,49152x576"  # SmolLM2-135M: MLP, attention, LM head
+
+
+def best_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int) -> float:
+    fn(x, weights[0], None)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            fn(x, w, None)
+        best = min(best, (time.perf_counter() - start) / len(weights))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of OUTxIN")
+    p.add_argument("--rows", default="1,2,4,7")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--pool-mb", type=int, default=256, help="memory the weight copies are cut from")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    ok, how = native.load()
+    print(f"threads {torch.get_num_threads()}; C++ kernels: {how}")
+    kernels = {"aten": lambda x, w, b: torch.nn.functional.linear(x, w, b), "onednn": onednn_linear}
+    if ok:
+        kernels["ours"] = native_linear
+    print("| dtype | rows | weight | " + " | ".join(f"{k} GB/s" for k in kernels) + " | max error vs float64 (ours) |")
+    print("|---|---:|---|" + "---:|" * len(kernels) + "---:|")
+    with torch.inference_mode():
+        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+            size = torch.tensor([], dtype=dtype).element_size()
+            for rows in map(int, args.rows.split(",")):
+                for shape in args.shapes.split(","):
+                    out_f, in_f = map(int, shape.split("x"))
+                    copies = max(1, (args.pool_mb << 20) // (out_f * in_f * size))
+                    pool = (torch.rand(copies * out_f * in_f) - 0.5).to(dtype)
+                    weights = [pool[i * out_f * in_f:(i + 1) * out_f * in_f].view(out_f, in_f) for i in range(copies)]
+                    x = (torch.rand(rows, in_f) - 0.5).to(dtype)
+                    gb = out_f * in_f * size / 1e9
+                    rates = [gb / best_seconds(fn, weights, x, args.repeats) for fn in kernels.values()]
+                    err = "-"
+                    if ok:
+                        exact = torch.nn.functional.linear(x.double(), weights[0].double())
+                        err = f"{(native_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
+                    print(f"| {str(dtype)[6:]} | {rows} | {shape} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {err} |",
+                          flush=True)
+                    del pool, weights
+
+
+if __name__ == "__main__":
+    main()
