@@ -66,8 +66,8 @@ def main() -> None:
                     if ok:
                         exact = torch.nn.functional.linear(x.double(), weights[0].double())
                         err = f"{(native_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
-                    print(f"| {str(dtype)[6:]} | {rows} | {shape} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {err} |",
-                          flush=True)
+                    cells = " | ".join(f"{r:.1f}" for r in rates)
+                    print(f"| {str(dtype)[6:]} | {rows} | {shape} | {cells} | {err} |", flush=True)
                     del pool, weights
 
 

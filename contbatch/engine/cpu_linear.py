@@ -190,18 +190,19 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto") -> LinearPlan:
     if kernel != "auto":
         if kernel not in available:
             return LinearPlan(kernel, (), f"aten ({kernel} is not available here)")
-        few = kernel if kernel == "onednn" else "onednn" if "onednn" in available else "aten"
-        routes = (kernel, kernel, few)
-        return LinearPlan(kernel, tuple((s, routes) for s in shapes), f"{kernel} for all {len(shapes)} weight shapes "
-                          f"(as asked{'; onednn above ' + str(NATIVE_MAX_ROWS) + ' rows' if kernel == 'native' else ''})")
+        batch = kernel if kernel == "onednn" else "onednn" if "onednn" in available else "aten"
+        routes = (kernel, kernel, batch)
+        above = f"; {batch} above {NATIVE_MAX_ROWS} rows" if kernel == "native" else ""
+        return LinearPlan(kernel, tuple((s, routes) for s in shapes),
+                          f"{kernel} for all {len(shapes)} weight shapes (as asked{above})")
     start = time.perf_counter()
     chosen: dict[Shape, list[str]] = {}
     gains: list[list[float]] = [[] for _ in PROBE_ROWS]
     for name in sorted({s[2] for s in shapes}):
         of_dtype = [s for s in shapes if s[2] == name]
         dtype = getattr(torch, name)
-        pool = _probe_pool(sum(m.weight.numel() for m in layers if m.weight.dtype == dtype) * 4,
-                           max(o * i for o, i, _ in of_dtype), dtype)
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers if m.weight.dtype == dtype)
+        pool = _probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
             for regime, rows in enumerate(PROBE_ROWS):
