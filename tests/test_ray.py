@@ -242,25 +242,26 @@ def test_replica_killed_midrun_is_replaced_and_its_requests_fail_clearly(cluster
     """Requests in flight on a killed replica end with errors that say so (none hang); Serve
     starts a replacement, and the endpoint serves again."""
     victim = sorted(replica_actors())[0]
+    actor = replica_actors()[victim]  # looked up before the load: the tiny model finishes 900 tokens in seconds
     c = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY, max_retries=0, timeout=60,
                       default_headers={REPLICA_HEADER: victim})
     long = {"model": "tiny", "max_tokens": 900, "temperature": 0, "extra_body": {"ignore_eos": True}}
     streaming = threading.Event()
-    outcomes: dict[str, Exception | str] = {}
+    outcomes: dict[str, Exception | str | None] = {}  # the error, or the finish reason of a complete request
 
     def stream(name: str, prompt: str) -> None:
         try:
-            text = ""
+            reason = None
             for chunk in c.completions.create(prompt=prompt, stream=True, **long):
                 streaming.set()
-                text += chunk.choices[0].text if chunk.choices else ""
-            outcomes[name] = text
+                reason = chunk.choices[0].finish_reason if chunk.choices else reason
+            outcomes[name] = reason
         except Exception as exc:  # what the client sees is what we check
             outcomes[name] = exc
 
     def plain(name: str, prompt: str) -> None:
         try:
-            outcomes[name] = c.completions.create(prompt=prompt, **long).choices[0].text
+            outcomes[name] = c.completions.create(prompt=prompt, **long).choices[0].finish_reason
         except Exception as exc:
             outcomes[name] = exc
 
@@ -271,14 +272,19 @@ def test_replica_killed_midrun_is_replaced_and_its_requests_fail_clearly(cluster
     for t in threads:
         t.start()
     assert streaming.wait(30), "no stream started"
-    ray.kill(replica_actors()[victim], no_restart=True)
+    ray.kill(actor, no_restart=True)
     for t in threads:
         t.join(90)
     assert not any(t.is_alive() for t in threads), "a request hung after its replica died"
+    # ray.kill takes effect a moment later, and the tiny model decodes fast: a request may still
+    # complete all its tokens first. None may end any other way than complete or a clear error.
     for name, outcome in outcomes.items():
+        if outcome == "length":
+            continue
         assert isinstance(outcome, openai.APIError), (name, outcome)
         assert "replica" in str(outcome), (name, outcome)
     assert len(outcomes) == 4
+    assert any(isinstance(o, openai.APIError) for o in outcomes.values()), "no request was in flight at the kill"
     wait_for(lambda: victim not in replica_actors() and len(replica_actors()) == 2
              and all(healthy(cluster, r) for r in replica_actors()), 120, "a replacement replica")
     ok = client(cluster).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
