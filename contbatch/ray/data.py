@@ -128,13 +128,17 @@ def generate(ds, *, model: str | None = None, spec: EngineSpec | None = None,
         sampling_params = SamplingParams(**sampling) if sampling else None
     elif sampling:
         raise ValueError(f"give either sampling_params= or sampling keywords, not both ({sorted(sampling)})")
-    # Ray Data may finish blocks out of order; the caller gets results in input order.
+    # Ray Data may finish blocks out of order; the caller gets results in input order. A Dataset
+    # runs with the context it was made with (a copy), so set it there, not only globally.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    return ds.map_batches(
+    ds.context.execution_options.preserve_order = True
+    out = ds.map_batches(
         ContbatchPredictor, fn_constructor_kwargs={"spec": spec, "sampling_params": sampling_params,
                                                    "chat_template": chat_template},
         concurrency=concurrency, batch_size=batch_size, num_cpus=num_cpus, num_gpus=num_gpus,
         batch_format="numpy")
+    out.context.execution_options.preserve_order = True
+    return out
 
 
 def generate_rows(prompts: Sequence, **kwargs) -> list[dict]:
