@@ -227,22 +227,12 @@ def _kernel(route: tuple[str, str, str], rows) -> str:
 
 
 def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    route = self._contbatch_route
-    if torch.compiler.is_compiling():  # Dynamo folds this to True and never traces in_step()
-        if _CompiledStep.active and input.dtype == self.weight.dtype:
-            kernel = _kernel(route, input.numel() // self.in_features)
-            if kernel == "onednn":
-                return torch.ops.contbatch.onednn_linear(input, self.weight, self.bias)
-            if kernel == "native":
-                rows = input.reshape(-1, self.in_features).contiguous()
-                out = torch.ops.contbatch_cpu.small_linear(rows, self.weight, self.bias)
-                return out.view(*input.shape[:-1], self.out_features)
-        return torch.nn.Linear.forward(self, input)
-    if ops.in_step() and input.dtype == self.weight.dtype:
-        kernel = _kernel(route, input.numel() // self.in_features)
-        if kernel == "onednn":
-            return onednn_linear(input, self.weight, self.bias)
-        if kernel == "native":
+    compiling = torch.compiler.is_compiling()  # Dynamo folds this to True and never traces in_step()
+    if (_CompiledStep.active if compiling else ops.in_step()) and input.dtype == self.weight.dtype:
+        kernel = _kernel(self._contbatch_route, input.numel() // self.in_features)
+        if kernel == "onednn":  # in a graph through its custom op (see the module docstring)
+            return (torch.ops.contbatch.onednn_linear if compiling else onednn_linear)(input, self.weight, self.bias)
+        if kernel == "native":  # traceable as is: its C++ op has a fake
             return native_linear(input, self.weight, self.bias)
     return torch.nn.Linear.forward(self, input)
 
