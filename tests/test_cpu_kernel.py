@@ -21,9 +21,14 @@ needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU kernel: {HOW}")
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (7, None, False), (None, 5.0, False),
                                                     (None, None, True)])
 @pytest.mark.parametrize("token_major", [False, True])
-def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_major):
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 6, 2), (64, 10, 2), (128, 6, 2), (32, 4, 4), (256, 2, 1)],
+                         ids=["generic", "d64-tiles-4+1", "d128-tiles-2+1", "d32-mha", "d256"])
+def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_major, dim, heads, kv_heads):
+    """Every head dim with an AVX-512 tile (32, 64, 128, 256; groups split over tiles) and
+    one without (16: the generic loops), against dense attention, with key counts on both
+    sides of the 16-key chunks."""
     gen = torch.Generator().manual_seed(0)
-    rows, heads, kv_heads, dim, bs, blocks, width = 9, 6, 2, 16, 4, 40, 8
+    rows, bs, blocks, width = 9, 4, 40, 8
     shape = (blocks * bs, kv_heads, dim) if token_major else (kv_heads, blocks * bs, dim)
     k_store, v_store = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     k, v = (t.transpose(0, 1) for t in (k_store, v_store)) if token_major else (k_store, v_store)

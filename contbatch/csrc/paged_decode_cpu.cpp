@@ -14,9 +14,192 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX512F__)
+#define CONTBATCH_AVX512 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// e^x for the softmax's shifted scores (x <= 0), 16 at a time: Cephes' expf (x = n ln2 + r,
+// a degree-7 polynomial in r, then 2^n), within ~1 ulp of std::exp. The scalar std::exp per
+// score was most of this kernel's time: three scores per key on a grouped-query model.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+// Lane i of the result: the sum of the 16 lanes of v[i] (v is overwritten). Pairs of
+// vectors are interleaved and added four times over: 45 instructions for 16 sums.
+inline __m512 sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(v[2 * i]), y = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// sg[j] = e^(sg[j] - m) for j < n; returns their sum.
+inline float exp_shifted(float* sg, int64_t n, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#ifdef CONTBATCH_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv));
+    _mm512_storeu_ps(sg + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), mv));
+    _mm512_mask_storeu_ps(sg + j, tail, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+    j = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) {
+    sg[j] = std::exp(sg[j] - m);
+    sum += sg[j];
+  }
+  return sum;
+}
+
+// Calls fn(j, slot) for the visible keys j = 0 .. n-1 (positions first .. first+n-1) of one
+// request, walking its block table one block at a time (no division per key).
+template <typename Fn>
+inline void for_each_slot(const int32_t* blocks, int64_t block_size, int64_t first, int64_t len, Fn&& fn) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t b = pos / block_size;
+    const int64_t stop = std::min(len, (b + 1) * block_size);
+    const int64_t base = static_cast<int64_t>(blocks[b]) * block_size - b * block_size;
+    for (; pos < stop; ++pos) fn(pos - first, base + pos);
+  }
+}
+
+#ifdef CONTBATCH_AVX512
+// Register tiles for head dims of 32, 64, 128 and 256 (C = dim / 16 vectors a row): GB query
+// heads of one KV head at a time, their queries (scores) or running sums (values) held in
+// registers over all the request's keys.
+template <int C>
+constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
+
+// sc[g * n + j] = q_g . k_j for the tile's GB heads: sixteen keys at a time, each key's
+// products with a head summed into one vector, the sixteen vectors reduced together (sum16):
+// a few instructions a key instead of one horizontal sum per key and head.
+template <int C, int GB, typename T>
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m512* part) {
+  __m512 qv[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      if (jj >= count) {
+        for (int g = 0; g < GB; ++g) part[g * 16 + jj] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* kr = kh + slots[j0 + jj] * k_slot;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        part[g * 16 + jj] = a;
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(sc + g * n + j0, mask, sum16(part + g * 16));
+  }
+}
+
+// acc[g] = sum_j p_gj v_j for the tile's GB heads, sums in registers.
+template <int C, int GB, typename T>
+void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, const float* sc, float* acc) {
+  __m512 a[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vh + slots[j] * v_slot;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * n + j]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+}
+
+// Both passes for one request and KV head over `group` query heads, tile by tile. False
+// when the head dim has no tile (the caller's generic loops then run).
+template <int C, typename T>
+void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
+           float* sc, __m512* part) {
+  constexpr int GB = kGroupTile<C>;
+  for (int64_t g0 = 0; g0 < group; g0 += GB) {
+    const int64_t gb = std::min<int64_t>(GB, group - g0);
+    float* rowbuf = qf_or_acc + g0 * C * 16;
+    float* sg = sc + g0 * n;
+#define CONTBATCH_TILE(B)                                                             \
+  if (scores) score_tile<C, B>(kvh, stride, slots, n, rowbuf, sg, part);              \
+  else value_tile<C, B>(kvh, stride, slots, n, sg, rowbuf);
+    switch (gb) {
+      case 1: { CONTBATCH_TILE(1) break; }
+      case 2: { if constexpr (GB >= 2) { CONTBATCH_TILE(2) } break; }
+      case 3: { if constexpr (GB >= 3) { CONTBATCH_TILE(3) } break; }
+      default: { if constexpr (GB >= 4) { CONTBATCH_TILE(4) } break; }
+    }
+#undef CONTBATCH_TILE
+  }
+}
+
+template <typename T>
+bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
+               float* qf_or_acc, float* sc, __m512* part) {
+  switch (dim) {
+    case 32: tiles<2>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 64: tiles<4>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 128: tiles<8>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 256: tiles<16>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    default: return false;
+  }
+}
+#endif
 
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& block_table,
@@ -35,54 +218,75 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   const float* sink = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   T* o = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  constexpr bool vectorizable = !std::is_same_v<T, double>;  // the AVX-512 tiles: float32, bfloat16, float16
 
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * dim), acc(group * dim), inv(group);
+#ifdef CONTBATCH_AVX512
+    std::vector<int64_t> slots;
+    std::vector<__m512> part(64);  // 16 keys x up to 4 heads of a tile
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t len = lens[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       scores.resize(group * std::max<int64_t>(n, 1));
+      float* sc = scores.data();
       const T* qr = q + (r * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(qr[i]);
       const int32_t* blocks = table + r * table_row;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
-        const T* kr = k + h * k_head + slot * k_slot;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
-          s *= fscale;
-          if (cap > 0.f) s = std::tanh(s / cap) * cap;
-          scores[g * n + j] = s;
-        }
+      const T* kh = k + h * k_head;
+      const T* vh = v + h * v_head;
+      // Scores: each key row is read once and dotted with the group's query heads.
+      bool tiled = false;
+#ifdef CONTBATCH_AVX512
+      if constexpr (vectorizable) {
+        slots.resize(n);
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) { slots[j] = slot; });
+        tiled = run_tiles<T>(true, kh, k_slot, slots.data(), n, group, dim, qf.data(), sc, part.data());
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+#endif
+      if (!tiled) {
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) {
+          const T* kr = kh + slot * k_slot;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
+            sc[g * n + j] = s;
+          }
+        });
+      }
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
+        float* sg = sc + g * n;
         float m = sink ? sink[h * group + g] : -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-        float sum = sink ? std::exp(sink[h * group + g] - m) : 0.f;
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          sum += sg[j];
+          float s = sg[j] * fscale;
+          if (cap > 0.f) s = std::tanh(s / cap) * cap;
+          sg[j] = s;
+          m = std::max(m, s);
         }
+        const float sum = exp_shifted(sg, n, m) + (sink ? std::exp(sink[h * group + g] - m) : 0.f);
         inv[g] = sum > 0.f ? 1.f / sum : 0.f;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
-        const T* vr = v + h * v_head + slot * v_slot;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + j];
-          float* ag = acc.data() + g * dim;
+      // Weighted sum of values: each value row is read once, into every group head's sum.
+      std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef CONTBATCH_AVX512
+      if constexpr (vectorizable)
+        if (tiled) run_tiles<T>(false, vh, v_slot, slots.data(), n, group, dim, acc.data(), sc, part.data());
+#endif
+      if (!tiled) {
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) {
+          const T* vr = vh + slot * v_slot;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = sc[g * n + j];
+            float* ag = acc.data() + g * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(vr[d]);
-        }
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(vr[d]);
+          }
+        });
       }
       T* orow = o + (r * heads + h * group) * dim;
       for (int64_t g = 0; g < group; ++g)
