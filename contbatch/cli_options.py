@@ -25,6 +25,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native"], default="auto",
                    help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN and our few-row C++ "
                         "kernel on the model's shapes at start-up and takes the fastest per shape and row count")
+    p.add_argument("--cpu-rms-norm-kernel", choices=["auto", "aten"], default="auto",
+                   help="RMSNorm on the CPU: auto runs each norm class that matches our fused C++ op at start-up "
+                        "as one call per norm; aten keeps PyTorch's ops")
     p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft_model (--speculative-model); default off")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="proposals per request per step")
@@ -49,6 +52,7 @@ def gpu_config(args: argparse.Namespace) -> dict:
         use_cuda_graph=args.cuda_graph,
         use_async_batching=args.async_batching,
         cpu_linear_kernel=args.cpu_linear_kernel,
+        cpu_rms_norm_kernel=args.cpu_rms_norm_kernel,
         **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),
         speculative_config=speculative_config(args),
     )

@@ -75,6 +75,9 @@ class ContinuousBatchingConfig:
     # CPU linear layers: "auto" times aten (MKL in float32), oneDNN and our few-row C++ kernel on
     # the model's weight shapes at start-up and routes each to the fastest (see engine/cpu_linear.py).
     cpu_linear_kernel: str = "auto"
+    # CPU RMSNorm layers: "auto" runs each norm class whose own forward matches our fused C++ op
+    # at start-up as one call inside engine steps (see engine/cpu_norm.py); "aten" never does.
+    cpu_rms_norm_kernel: str = "auto"
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
     return_logprobs: bool = False
@@ -123,6 +126,8 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
+        if self.cpu_rms_norm_kernel not in ("auto", "aten"):
+            raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
         if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native"):
             raise ValueError("cpu_linear_kernel must be 'auto', 'aten', 'onednn' or 'native', "
                              f"got {self.cpu_linear_kernel!r}")
@@ -166,6 +171,7 @@ class ResolvedConfig:
     decode_compile: object | None = None  # CompileChoice, or None: eager
     varlen_compile: object | None = None
     cpu_linear: object | None = None  # LinearPlan: the kernel of each linear weight shape, per row regime
+    cpu_rms_norm: object | None = None  # NormPlan: the RMSNorm classes run as one fused call
     return_logprobs: bool = False
     speculative: object | None = None  # SpeculativeConfig in force, or None
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
 from .cpu_linear import LinearRouter
+from .cpu_norm import NormRouter
 from .control import CONTROL, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
@@ -79,6 +80,7 @@ class ContinuousBatchingManager(EngineControl):
         self._stop_mode: str | None = None  # None, "graceful", "hard"
         self._saved_attn: str | None = None
         self._linear_router: LinearRouter | None = None
+        self._norm_router: NormRouter | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
         self._paused = False  # no step is scheduled while set; requests wait with their KV
 
@@ -107,6 +109,9 @@ class ContinuousBatchingManager(EngineControl):
         self._saved_attn = attach(self.model)
         self._linear_router = LinearRouter(self.model, r.cpu_linear)
         self._linear_router.install()
+        if r.cpu_rms_norm is not None:
+            self._norm_router = NormRouter(self.model, r.cpu_rms_norm)
+            self._norm_router.install()
         logger.info(describe(r))
         for warning in r.warnings:
             logger.warning("contbatch: %s", warning)
@@ -361,6 +366,8 @@ class ContinuousBatchingManager(EngineControl):
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
                 self._linear_router.uninstall()
+                if self._norm_router is not None:
+                    self._norm_router.uninstall()
             if self.core is not None and self.core.speculator is not None:
                 self.core.speculator.close()
 
