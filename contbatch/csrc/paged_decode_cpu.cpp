@@ -117,6 +117,14 @@ inline void for_each_slot(const int32_t* blocks, int64_t block_size, int64_t fir
 template <int C>
 constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
 
+// Keys (or values) a request reads are short runs of rows scattered over the cache, too short
+// for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
+constexpr int64_t kAhead = 8;
+template <int C, typename T>
+inline void prefetch_row(const T* row) {
+  for (size_t b = 0; b < C * 16 * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
 // sc[g * n + j] = q_g . k_j for the tile's GB heads: sixteen keys at a time, each key's
 // products with a head summed into one vector, the sixteen vectors reduced together (sum16):
 // a few instructions a key instead of one horizontal sum per key and head.
@@ -132,6 +140,7 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
         for (int g = 0; g < GB; ++g) part[g * 16 + jj] = _mm512_setzero_ps();
         continue;
       }
+      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
       const T* kr = kh + slots[j0 + jj] * k_slot;
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
@@ -153,6 +162,7 @@ void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, co
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
     const T* vr = vh + slots[j] * v_slot;
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
