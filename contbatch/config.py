@@ -78,6 +78,10 @@ class ContinuousBatchingConfig:
     # CPU RMSNorm layers: "auto" runs each norm class whose own forward matches our fused C++ op
     # at start-up as one call inside engine steps (see engine/cpu_norm.py); "aten" never does.
     cpu_rms_norm_kernel: str = "auto"
+    # CPU rotary embeddings: "auto" runs a modeling file's `apply_rotary_pos_emb` as one fused C++
+    # call inside engine steps where it matched the original bit for bit at start-up
+    # (see engine/cpu_rotary.py); "aten" never does.
+    cpu_rotary_kernel: str = "auto"
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
     return_logprobs: bool = False
@@ -126,6 +130,8 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
+        if self.cpu_rotary_kernel not in ("auto", "aten"):
+            raise ValueError(f"cpu_rotary_kernel must be 'auto' or 'aten', got {self.cpu_rotary_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
         if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native"):
@@ -172,6 +178,7 @@ class ResolvedConfig:
     varlen_compile: object | None = None
     cpu_linear: object | None = None  # LinearPlan: the kernel of each linear weight shape, per row regime
     cpu_rms_norm: object | None = None  # NormPlan: the RMSNorm classes run as one fused call
+    cpu_rotary: object | None = None  # RotaryPlan: the modeling files whose rotary runs as one fused call
     return_logprobs: bool = False
     speculative: object | None = None  # SpeculativeConfig in force, or None
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's

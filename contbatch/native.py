@@ -3,7 +3,9 @@
 - `paged_decode`: decode attention reading K/V in place through the block tables
   (`attention/cpu_kernel.py`);
 - `small_linear`: linear layers over one to seven rows, bound by reading the weight
-  (`engine/cpu_linear.py`).
+  (`engine/cpu_linear.py`);
+- `rms_norm` and `rotary`: a Llama-family RMSNorm and rotary embedding as one call each,
+  with the original's rounding (`engine/cpu_norm.py`, `engine/cpu_rotary.py`).
 
 The library is compiled with the machine's own compiler the first time it is needed
 (`make setup` builds it ahead of time) into `$CONTBATCH_CACHE/ext/<hash>`, keyed by the
@@ -27,6 +29,9 @@ import torch
 logger = logging.getLogger("contbatch")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+# No floating-point contraction: the rotary and norm kernels reproduce PyTorch's roundings
+# (each product rounded, then the sum); explicit FMA intrinsics are unaffected.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -45,7 +50,8 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), _cpu_flags().encode(),
+                 " ".join(CFLAGS).encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -80,7 +86,7 @@ def _load() -> tuple[bool, str]:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=f"contbatch_cpu_{key}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False,
         )
         return True, f"built {so} in {time.perf_counter() - start:.1f} s"

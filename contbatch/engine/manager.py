@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ..attention.paged import attach, detach
 from .cpu_linear import LinearRouter
 from .cpu_norm import NormRouter
+from .cpu_rotary import RotaryRouter
 from .control import CONTROL, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
@@ -81,6 +82,7 @@ class ContinuousBatchingManager(EngineControl):
         self._saved_attn: str | None = None
         self._linear_router: LinearRouter | None = None
         self._norm_router: NormRouter | None = None
+        self._rotary_router: RotaryRouter | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
         self._paused = False  # no step is scheduled while set; requests wait with their KV
 
@@ -112,6 +114,9 @@ class ContinuousBatchingManager(EngineControl):
         if r.cpu_rms_norm is not None:
             self._norm_router = NormRouter(self.model, r.cpu_rms_norm)
             self._norm_router.install()
+        if r.cpu_rotary is not None:
+            self._rotary_router = RotaryRouter(r.cpu_rotary)
+            self._rotary_router.install()
         logger.info(describe(r))
         for warning in r.warnings:
             logger.warning("contbatch: %s", warning)
@@ -368,6 +373,8 @@ class ContinuousBatchingManager(EngineControl):
                 self._linear_router.uninstall()
                 if self._norm_router is not None:
                     self._norm_router.uninstall()
+                if self._rotary_router is not None:
+                    self._rotary_router.uninstall()
             if self.core is not None and self.core.speculator is not None:
                 self.core.speculator.close()
 

@@ -14,6 +14,7 @@ from ..distributed.group import shard_layout
 from .compile import resolve_compile
 from .cpu_linear import plan_linear
 from .cpu_norm import plan_norm
+from .cpu_rotary import plan_rotary
 from ..config import (
     DEFAULT_CPU_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -171,6 +172,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         varlen_compile=compiled["varlen"],
         cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
         cpu_rms_norm=plan_norm(model, cfg.cpu_rms_norm_kernel) if device.type == "cpu" else None,
+        cpu_rotary=plan_rotary(model, cfg.cpu_rotary_kernel) if device.type == "cpu" else None,
         return_logprobs=cfg.return_logprobs,
         speculative=spec,
         kv_heads_per_rank=layout.num_kv_heads,
@@ -202,6 +204,7 @@ def describe(resolved: ResolvedConfig) -> str:
         f"{resolved.varlen_compile.describe() if resolved.varlen_compile else 'eager'} "
         + f"cpu_linear: {resolved.cpu_linear.summary} "
         + (f"cpu_rms_norm: {resolved.cpu_rms_norm.summary} " if resolved.cpu_rms_norm else "")
+        + (f"cpu_rotary: {resolved.cpu_rotary.summary} " if resolved.cpu_rotary else "")
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
