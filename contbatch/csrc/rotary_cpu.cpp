@@ -5,9 +5,9 @@
 // a concatenation, two products and a sum, for q and for k); a lone request's decode step
 // spends about a millisecond of ~20 in them on the 2-core EPYC. Here each row of q and k is
 // read once, with the original's rounding: each product rounded to the dtype, then their sum
-// (no fused multiply-add: native.py builds with -ffp-contract=off), so float32 and
-// bfloat16 results equal the original's bit for bit (NaN payloads aside). Which models use it is decided at
-// start-up by comparing it with the model's own function (engine/cpu_rotary.py).
+// (no fused multiply-add: native.py builds with -ffp-contract=off), so float32 and bfloat16
+// results equal the original's bit for bit (NaN payloads aside). Which models use it is
+// decided at start-up by comparing it with the model's own function (engine/cpu_rotary.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
