@@ -118,6 +118,29 @@ def test_draft_model_greedy_equals_generate_under_preemption(llama_model, same_d
     assert leaked == 0
 
 
+def test_draft_model_runs_on_the_cpu_kernels_of_the_target_and_gives_them_back(llama_model):
+    """The draft's forwards are engine steps too: its linear layers take the target's kernel
+    choice (native forced here), its norms the fused op, while the manager runs; greedy tokens
+    stay `generate`'s, and stopping leaves no trace on the draft's modules."""
+    draft = make_tiny_model("llama", seed=7)
+    prompts = random_prompts(4, 4, 20, seed=12)
+    config = ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="native",
+                                      speculative_config=_spec("draft_model", model=draft, num_speculative_tokens=3))
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
+
+    def routed():
+        return [m for m in draft.modules() if "forward" in m.__dict__]
+
+    with continuous_batching(llama_model, gc, config) as manager:
+        ids = manager.add_requests(prompts)
+        outs = [manager.get_result(i, timeout=60) for i in ids]
+        kinds = {type(m).__name__ for m in routed()}
+        assert {"Linear", "LlamaRMSNorm"} <= kinds, kinds
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(llama_model, prompt, 10)
+    assert not routed()
+
+
 def test_eos_and_max_new_tokens_inside_accepted_runs(llama_model):
     """With every proposal accepted, runs of 4 cross the EOS token and the length limit:
     each request still ends on the right token."""

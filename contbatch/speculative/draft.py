@@ -23,6 +23,9 @@ from ..attention.kernels import load_backend
 from ..attention.paged import attach, detach, is_attached
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
 from ..engine.buckets import Bucketing
+from ..engine.cpu_linear import LinearRouter, plan_linear
+from ..engine.cpu_norm import NormRouter, plan_norm
+from ..engine.cpu_rotary import RotaryRouter, plan_rotary
 from ..engine.step_batch import build_step_batch
 from ..engine.step_runner import StepRunner
 from ..requests import RequestState, RequestStatus
@@ -54,6 +57,21 @@ def load_draft(spec, target: torch.nn.Module) -> torch.nn.Module:
     return draft
 
 
+def _cpu_routers(draft: torch.nn.Module, r) -> list:
+    """The target's CPU kernel choices (linear kernel, fused norm and rotary) made for the
+    draft's own layers: its forwards are engine steps like the target's. Shapes the target
+    shares were probed already; the plans are logged once."""
+    if torch.device(r.device).type != "cpu" or r.cpu_linear is None:
+        return []
+    linear = plan_linear(draft, r.cpu_linear.kernel)
+    norm = plan_norm(draft, r.cpu_rms_norm.kernel) if r.cpu_rms_norm is not None else None
+    rotary = plan_rotary(draft, r.cpu_rotary.kernel) if r.cpu_rotary is not None else None
+    logger.info("contbatch: draft model cpu_linear: %s; cpu_rms_norm: %s; cpu_rotary: %s", linear.summary,
+                norm.summary if norm else "off", rotary.summary if rotary else "off")
+    return [LinearRouter(draft, linear)] + ([NormRouter(draft, norm)] if norm else []) + (
+        [RotaryRouter(rotary)] if rotary else [])
+
+
 class DraftProposer:
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, resolved) -> None:
         r = resolved
@@ -69,6 +87,7 @@ class DraftProposer:
         self.max_batch_tokens = r.max_batch_tokens
         self.shadows: dict[str, RequestState] = {}
         self._saved_attn: str | None = None
+        self.routers = _cpu_routers(self.model, r)
         self.seconds = 0.0  # spent in draft forwards: the cost side of speculation
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -76,11 +95,15 @@ class DraftProposer:
         # The target itself as its own draft (a test of full acceptance) is attached already.
         if self._saved_attn is None and not is_attached(self.model):
             self._saved_attn = attach(self.model)
+            for router in self.routers:
+                router.install()
 
     def detach(self) -> None:
         if self._saved_attn is not None:
             detach(self.model, self._saved_attn)
             self._saved_attn = None
+            for router in self.routers:
+                router.uninstall()
 
     def forget(self, request_id: str) -> None:
         if self.shadows.pop(request_id, None) is not None:
