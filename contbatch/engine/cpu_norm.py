@@ -83,7 +83,8 @@ def plan_norm(model: torch.nn.Module, kernel: str = "auto") -> NormPlan:
         raise ValueError(f"cpu_rms_norm_kernel must be one of {KERNELS}, got {kernel!r}")
     layers = _candidates(model)
     if kernel == "aten" or not layers:
-        return NormPlan(kernel, (), "aten (" + ("as asked" if kernel == "aten" else "no float32/bfloat16 RMSNorm on the CPU") + ")")
+        why = "as asked" if kernel == "aten" else "no float32/bfloat16 RMSNorm on the CPU"
+        return NormPlan(kernel, (), f"aten ({why})")
     ok, how = native.load()
     if not ok:
         return NormPlan(kernel, (), f"aten (C++ kernels {how})")
