@@ -105,13 +105,17 @@ def test_get_result_timeout_returns_none(manager):
 
 def test_cancel_mid_generation_frees_blocks_and_spares_others(manager, llama_model):
     free_at_start = manager.stats()["free_blocks"]
-    victim = manager.add_request([5] * 20, max_new_tokens=400)
+    # Cancelled once its first tokens are out (a fixed sleep raced a faster engine: the tiny
+    # model's 400 tokens were done within 0.3 s); streamed chunks are deltas.
+    victim = manager.add_request([5] * 20, max_new_tokens=400, streaming=True)
     others = manager.add_requests(random_prompts(5, 3, 20, seed=7), max_new_tokens=8)
-    time.sleep(0.3)
+    stream = manager.request_id_iter(victim, timeout=30)
+    chunks = [next(stream)]
     manager.cancel_request(victim)
-    out = manager.get_result(victim, timeout=30)
+    chunks += list(stream)
+    out = chunks[-1]
     assert out.status == RequestStatus.CANCELLED and out.finish_reason == "cancelled"
-    assert len(out.generated_tokens) < 400
+    assert sum(len(c.generated_tokens) for c in chunks) < 400
     for rid, prompt in zip(others, random_prompts(5, 3, 20, seed=7)):
         assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(llama_model, prompt, 8)
     deadline = time.time() + 5
