@@ -29,6 +29,7 @@ import torch
 logger = logging.getLogger("contbatch")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the build key, not compiled alone
 # No floating-point contraction: the rotary and norm kernels reproduce PyTorch's roundings
 # (each product rounded, then the sum); explicit FMA intrinsics are unaffected.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -50,7 +51,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), _cpu_flags().encode(),
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), _cpu_flags().encode(),
                  " ".join(CFLAGS).encode()):
         digest.update(part)
     return digest.hexdigest()[:16]

@@ -14,23 +14,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
+using namespace contbatch_vec;
+
 #if defined(__AVX512F__)
 #define CONTBATCH_AVX512 1
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // e^x for the softmax's shifted scores (x <= 0), 16 at a time: Cephes' expf (x = n ln2 + r,
 // a degree-7 polynomial in r, then 2^n), within ~1 ulp of std::exp. The scalar std::exp per
@@ -65,9 +58,6 @@ inline __m512 sum16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
-constexpr bool kAvx512 = true;
-#else
-constexpr bool kAvx512 = false;
 #endif
 
 // sg[j] = e^(sg[j] - m) for j < n; returns their sum.

@@ -15,14 +15,11 @@
 
 #include <cmath>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+using namespace contbatch_vec;
 
 template <typename T>
 void rows_norm(const T* x, const T* w, T* y, int64_t begin, int64_t end, int64_t hidden, float eps) {

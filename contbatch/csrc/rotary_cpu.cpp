@@ -15,24 +15,15 @@
 
 #include <tuple>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <type_traits>
+#include "vec.h"
 
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+using namespace contbatch_vec;
 
 #if defined(__AVX512F__)
-// Sixteen values as float32, and back with the dtype's rounding: bfloat16 rounds to nearest
-// even as c10::BFloat16 does (NaN to 0x7FC0), so every intermediate matches PyTorch's.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// Back from float32 with the dtype's rounding: bfloat16 rounds to nearest even as
+// c10::BFloat16 does (NaN to 0x7FC0), so every intermediate matches PyTorch's.
 inline __m512i bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

@@ -13,20 +13,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define CONTBATCH_AVX512 1
 #endif
 
 namespace {
 
-constexpr int64_t kMaxRows = 7;
+using namespace contbatch_vec;
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+constexpr int64_t kMaxRows = 7;
 
 // One output: the sum of row r against weight row o, plus the bias, stored in the weight's dtype.
 template <typename W>
@@ -35,12 +34,6 @@ inline void store(W* y, int64_t r, int64_t o, int64_t out_stride, float sum, con
 }
 
 #ifdef CONTBATCH_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Output features [begin, end) against all R rows of x (float32, [R, I]): each weight row is
 // loaded once, 32 values at a time, into two accumulators per input row (two independent
 // FMA chains); the last in % 32 values are summed one by one.
