@@ -21,9 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
-from .cpu_linear import LinearRouter
-from .cpu_norm import NormRouter
-from .cpu_rotary import RotaryRouter
+from .cpu_routers import CpuRouters
 from .control import CONTROL, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
@@ -80,9 +78,7 @@ class ContinuousBatchingManager(EngineControl):
         self._accepting = False
         self._stop_mode: str | None = None  # None, "graceful", "hard"
         self._saved_attn: str | None = None
-        self._linear_router: LinearRouter | None = None
-        self._norm_router: NormRouter | None = None
-        self._rotary_router: RotaryRouter | None = None
+        self._routers: CpuRouters | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
         self._paused = False  # no step is scheduled while set; requests wait with their KV
 
@@ -109,14 +105,8 @@ class ContinuousBatchingManager(EngineControl):
             self.core.runner.check()  # its workers were stopped with it, or are gone
         r = self.resolved_config
         self._saved_attn = attach(self.model)
-        self._linear_router = LinearRouter(self.model, r.cpu_linear)
-        self._linear_router.install()
-        if r.cpu_rms_norm is not None:
-            self._norm_router = NormRouter(self.model, r.cpu_rms_norm)
-            self._norm_router.install()
-        if r.cpu_rotary is not None:
-            self._rotary_router = RotaryRouter(r.cpu_rotary)
-            self._rotary_router.install()
+        self._routers = CpuRouters(self.model, r.cpu_linear, r.cpu_rms_norm, r.cpu_rotary)
+        self._routers.install()
         logger.info(describe(r))
         for warning in r.warnings:
             logger.warning("contbatch: %s", warning)
@@ -370,11 +360,7 @@ class ContinuousBatchingManager(EngineControl):
             if self._saved_attn is not None:
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
-                self._linear_router.uninstall()
-                if self._norm_router is not None:
-                    self._norm_router.uninstall()
-                if self._rotary_router is not None:
-                    self._rotary_router.uninstall()
+                self._routers.uninstall()
             if self.core is not None and self.core.speculator is not None:
                 self.core.speculator.close()
 

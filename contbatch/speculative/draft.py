@@ -23,9 +23,10 @@ from ..attention.kernels import load_backend
 from ..attention.paged import attach, detach, is_attached
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
 from ..engine.buckets import Bucketing
-from ..engine.cpu_linear import LinearRouter, plan_linear
-from ..engine.cpu_norm import NormRouter, plan_norm
-from ..engine.cpu_rotary import RotaryRouter, plan_rotary
+from ..engine.cpu_linear import plan_linear
+from ..engine.cpu_norm import plan_norm
+from ..engine.cpu_rotary import plan_rotary
+from ..engine.cpu_routers import CpuRouters
 from ..engine.step_batch import build_step_batch
 from ..engine.step_runner import StepRunner
 from ..requests import RequestState, RequestStatus
@@ -57,19 +58,18 @@ def load_draft(spec, target: torch.nn.Module) -> torch.nn.Module:
     return draft
 
 
-def _cpu_routers(draft: torch.nn.Module, r) -> list:
+def _cpu_routers(draft: torch.nn.Module, r) -> CpuRouters:
     """The target's CPU kernel choices (linear kernel, fused norm and rotary) made for the
     draft's own layers: its forwards are engine steps like the target's. Shapes the target
     shares were probed already; the plans are logged once."""
     if torch.device(r.device).type != "cpu" or r.cpu_linear is None:
-        return []
+        return CpuRouters(draft, None, None, None)
     linear = plan_linear(draft, r.cpu_linear.kernel)
     norm = plan_norm(draft, r.cpu_rms_norm.kernel) if r.cpu_rms_norm is not None else None
     rotary = plan_rotary(draft, r.cpu_rotary.kernel) if r.cpu_rotary is not None else None
     logger.info("contbatch: draft model cpu_linear: %s; cpu_rms_norm: %s; cpu_rotary: %s", linear.summary,
                 norm.summary if norm else "off", rotary.summary if rotary else "off")
-    return [LinearRouter(draft, linear)] + ([NormRouter(draft, norm)] if norm else []) + (
-        [RotaryRouter(rotary)] if rotary else [])
+    return CpuRouters(draft, linear, norm, rotary)
 
 
 class DraftProposer:
@@ -95,15 +95,13 @@ class DraftProposer:
         # The target itself as its own draft (a test of full acceptance) is attached already.
         if self._saved_attn is None and not is_attached(self.model):
             self._saved_attn = attach(self.model)
-            for router in self.routers:
-                router.install()
+            self.routers.install()
 
     def detach(self) -> None:
         if self._saved_attn is not None:
             detach(self.model, self._saved_attn)
             self._saved_attn = None
-            for router in self.routers:
-                router.uninstall()
+            self.routers.uninstall()
 
     def forget(self, request_id: str) -> None:
         if self.shadows.pop(request_id, None) is not None:
