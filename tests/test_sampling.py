@@ -346,3 +346,29 @@ def test_sampled_logprobs_are_log_softmax_of_processed_logits(llama_model, param
         finite = [(t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if math.isfinite(v)]
         assert list(out.top_logprobs[i]) == [t for t, _ in finite]
         assert all(abs(out.top_logprobs[i][t] - v) < 1e-4 for t, v in finite)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 49152])
+def test_argmax_rows_is_atens_argmax(dtype, vocab):
+    """The CPU kernel's choice equals aten's: first index of the maximum (ties, -0.0 and 0.0,
+    rows of -inf), the first NaN where a row holds one, any row stride."""
+    from contbatch import native
+    from contbatch.sampling.argmax import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 12
+    logits = torch.randint(-3, 3, (rows, vocab + 5), generator=gen).to(dtype)[:, :vocab]  # many ties, row stride
+    logits[1] = float("-inf")
+    logits[2, vocab // 2 :] = float("nan")
+    logits[3, vocab - 1] = float("nan")
+    logits[4, -1] = float("inf")
+    logits[5] = 0.0
+    logits[5, vocab // 3] = -0.0
+    logits[6] = torch.randn(vocab, generator=gen).to(dtype)
+    assert not logits.is_contiguous()  # rows of a wider tensor
+    want = logits.argmax(dim=-1)
+    assert torch.equal(argmax_rows(logits), want)
+    assert torch.equal(argmax_rows(logits[:0]), want[:0])
+    if native.load()[0]:
+        assert torch.equal(torch.ops.contbatch_cpu.argmax_rows(logits.contiguous()), want)

@@ -22,20 +22,6 @@ namespace {
 using namespace contbatch_vec;
 
 #if defined(__AVX512F__)
-// Back from float32 with the dtype's rounding: bfloat16 rounds to nearest even as
-// c10::BFloat16 does (NaN to 0x7FC0), so every intermediate matches PyTorch's.
-inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-inline __m512 rounded(float*, __m512 v) { return v; }
-inline __m512 rounded(at::BFloat16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
 inline __m512 negated(__m512 v) {  // flips the sign bit, zeros included, as PyTorch's neg does
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x80000000)));
 }

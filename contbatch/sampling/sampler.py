@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..faults import inject
+from .argmax import argmax_rows
 from .grammar import GrammarMasks, GrammarState
 from .params import SamplingParams
 
@@ -225,7 +226,7 @@ class Sampler:
         `eos_token_ids`, `grammar`); plain greedy rows, the common case, skip building any history."""
         inject("sampler")
         if all(s.params.plain_greedy for s in states):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
             return SampleResult(tokens, ok=_finite_at(logits, tokens))
         return self(logits, [SampleRequest(s.params, s.prompt_ids, s.known_tokens, s.eos_token_ids, s.grammar)
                              for s in states])
@@ -243,7 +244,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         logits = self.process(logits, reqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         final = logits
         sample_rows = _rows(reqs, lambda r: not r.params.greedy)
         if sample_rows:
@@ -251,7 +252,7 @@ class Sampler:
             idx = _dev(sample_rows, logits.device, torch.long)
             warped = warp(logits[idx], sub_reqs)
             probs = torch.softmax(warped, dim=-1)
-            tokens[idx] = (probs / self._noise(sub_reqs, logits.shape[1], logits.device)).argmax(dim=-1)
+            tokens[idx] = argmax_rows(probs / self._noise(sub_reqs, logits.shape[1], logits.device))
             final = logits.clone()
             final[idx] = warped
 

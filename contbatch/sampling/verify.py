@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .argmax import argmax_rows
 from .sampler import SampleRequest, SampleResult, Sampler, _dev, _finite_at, warp
 
 
@@ -50,7 +51,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states, drafts: list[list[int
 
     plain = all(r.params.plain_greedy for r in reqs)
     final = logits.float() if plain else sampler.process(logits, reqs)
-    target = final.argmax(dim=-1)
+    target = argmax_rows(final)
     accept = target[row_of] == draft_pad
     chosen = target.clone()
 
@@ -70,7 +71,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states, drafts: list[list[int
         # A rejected proposal leaves the run: the residual distribution is p without it.
         residual = probs.scatter(1, proposed.clamp(min=0)[:, None], 0.0)
         residual = torch.where(has[:, None], residual, probs)
-        chosen[idx] = (residual / sampler._noise(sub, final.shape[1], device)).argmax(dim=-1)
+        chosen[idx] = argmax_rows(residual / sampler._noise(sub, final.shape[1], device))
         row_accept = torch.zeros(final.shape[0], dtype=torch.bool, device=device)
         row_accept[idx] = accepted_row
         sampled_req = torch.zeros(final.shape[0], dtype=torch.bool, device=device)
