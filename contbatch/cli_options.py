@@ -25,6 +25,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native"], default="auto",
                    help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN and our few-row C++ "
                         "kernel on the model's shapes at start-up and takes the fastest per shape and row count")
+    p.add_argument("--cpu-linear-prepack", action=on_off, default=True,
+                   help="layers on oneDNN keep a prepacked copy of their weight (1.2-1.5x faster at decode batch "
+                        "sizes, same results) where the copies fit in a quarter of the available RAM")
     p.add_argument("--cpu-rms-norm-kernel", choices=["auto", "aten"], default="auto",
                    help="RMSNorm on the CPU: auto runs each norm class that matches our fused C++ op at start-up "
                         "as one call per norm; aten keeps PyTorch's ops")
@@ -55,6 +58,7 @@ def gpu_config(args: argparse.Namespace) -> dict:
         use_cuda_graph=args.cuda_graph,
         use_async_batching=args.async_batching,
         cpu_linear_kernel=args.cpu_linear_kernel,
+        cpu_linear_prepack=args.cpu_linear_prepack,
         cpu_rms_norm_kernel=args.cpu_rms_norm_kernel,
         cpu_rotary_kernel=args.cpu_rotary_kernel,
         **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),

@@ -75,6 +75,10 @@ class ContinuousBatchingConfig:
     # CPU linear layers: "auto" times aten (MKL in float32), oneDNN and our few-row C++ kernel on
     # the model's weight shapes at start-up and routes each to the fastest (see engine/cpu_linear.py).
     cpu_linear_kernel: str = "auto"
+    # Layers routed to oneDNN keep a prepacked (blocked) copy of their weight while the manager
+    # runs: 1.2-1.5x faster at decode batch sizes, bit-identical results, repacked when a weight
+    # changes; only where the copies fit in a quarter of the available RAM (see engine/cpu_linear.py).
+    cpu_linear_prepack: bool = True
     # CPU RMSNorm layers: "auto" runs each norm class whose own forward matches our fused C++ op
     # at start-up as one call inside engine steps (see engine/cpu_norm.py); "aten" never does.
     cpu_rms_norm_kernel: str = "auto"

@@ -67,7 +67,52 @@ def test_forced_onednn_routes_engine_calls_only_and_is_taken_back():
     assert torch.equal(loss, twin_loss)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), name
-    assert not any("forward" in m.__dict__ or "_contbatch_route" in m.__dict__ for m in model.modules())
+    assert not any({"forward", "_contbatch_route", "_contbatch_packed"} & set(m.__dict__) for m in model.modules())
+
+
+def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
+    """Layers on oneDNN run on prepacked copies of their weights inside steps of two or more
+    rows; an in-place update (an optimizer step) or a replaced weight is packed again before
+    the next use, so tokens keep equal `generate` on the model as it is now (`update_weights()`
+    only drops the prefixes cached with the old weights)."""
+    model = make_tiny_model("llama")
+    prompts = random_prompts(6, 5, 30, seed=11)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    packed_calls = []
+    real = cpu_linear.packed_linear
+    monkeypatch.setattr(cpu_linear, "packed_linear", lambda x, w, b: packed_calls.append(x.shape) or real(x, w, b))
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
+    plan = manager.resolved_config.cpu_linear
+    assert plan.prepack and "oneDNN weights prepacked" in plan.summary
+    manager.start()
+    try:
+        def check():
+            ids = [manager.add_request(p) for p in prompts]
+            for rid, prompt in zip(ids, prompts):
+                assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(model, prompt, 6)
+
+        check()
+        assert packed_calls, "no step ran on the prepacked weights"
+        copy.deepcopy(model)  # a frozen reference policy, taken while attached: oneDNN's copies are not copied
+        with torch.no_grad():  # in place, as an optimizer step does
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.mul_(torch.linspace(0.5, 1.5, m.weight.shape[1]))
+        manager.update_weights()  # drops the cached prefixes; the packed copies follow on their own
+        check()
+        down = model.model.layers[0].mlp.down_proj
+        down.weight = torch.nn.Parameter(down.weight.detach().flip(0))  # a new tensor
+        manager.update_weights()
+        check()
+    finally:
+        manager.stop(timeout=30)
+    assert not any("_contbatch_packed" in m.__dict__ for m in model.modules())
+    off = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_linear_kernel="onednn",
+                                                                         cpu_linear_prepack=False))
+    assert not off.resolved_config.cpu_linear.prepack and "not prepacked (as asked)" in off.resolved_config.cpu_linear.summary
+    monkeypatch.setattr(cpu_linear, "PREPACK_RAM_FRACTION", 0.0)
+    tight = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_linear_kernel="onednn")).resolved_config
+    assert not tight.cpu_linear.prepack and "of the available RAM" in tight.cpu_linear.summary
 
 
 def test_plan_is_probed_logged_and_validated(llama_model, caplog):

@@ -170,7 +170,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         compile_level=compile_level,
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
-        cpu_linear=plan_linear(model, cfg.cpu_linear_kernel),
+        cpu_linear=plan_linear(model, cfg.cpu_linear_kernel, cfg.cpu_linear_prepack),
         cpu_rms_norm=plan_norm(model, cfg.cpu_rms_norm_kernel) if device.type == "cpu" else None,
         cpu_rotary=plan_rotary(model, cfg.cpu_rotary_kernel) if device.type == "cpu" else None,
         return_logprobs=cfg.return_logprobs,

@@ -64,7 +64,7 @@ def _cpu_routers(draft: torch.nn.Module, r) -> CpuRouters:
     shares were probed already; the plans are logged once."""
     if torch.device(r.device).type != "cpu" or r.cpu_linear is None:
         return CpuRouters(draft, None, None, None)
-    linear = plan_linear(draft, r.cpu_linear.kernel)
+    linear = plan_linear(draft, r.cpu_linear.kernel, r.cpu_linear.prepack)
     norm = plan_norm(draft, r.cpu_rms_norm.kernel) if r.cpu_rms_norm is not None else None
     rotary = plan_rotary(draft, r.cpu_rotary.kernel) if r.cpu_rotary is not None else None
     logger.info("contbatch: draft model cpu_linear: %s; cpu_rms_norm: %s; cpu_rotary: %s", linear.summary,
