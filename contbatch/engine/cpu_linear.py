@@ -249,12 +249,17 @@ def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list
     return True, ""
 
 
+def _packs(route: tuple[str, str, str] | None) -> bool:
+    """Whether a layer with this route runs oneDNN on two rows or more (one row keeps the plain weight)."""
+    return route is not None and "onednn" in route[1:]
+
+
 def _packed_note(model: torch.nn.Module, routes, prepack: bool, why: str) -> str:
     if not prepack:
         return f"; {why}" if why else ""
     by_shape = dict(routes)
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in _candidates(model)
-                 if "onednn" in by_shape.get(_shape(m), ()))
+                 if _packs(by_shape.get(_shape(m))))
     return f"; oneDNN weights prepacked ({nbytes / 2**20:.0f} MiB of copies)" if nbytes else ""
 
 
@@ -342,7 +347,7 @@ class LinearRouter:
             route = routes.get(_shape(m))
             if route is not None:
                 m._contbatch_route = route
-                if self.plan.prepack and "onednn" in route:
+                if self.plan.prepack and _packs(route):
                     m._contbatch_packed = PackedWeight(m.weight, m.weight._version, pack(m.weight))
                 m.forward = types.MethodType(_routed_forward, m)
                 self.modules.append(m)
