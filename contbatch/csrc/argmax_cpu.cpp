@@ -79,12 +79,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
       for (int64_t r = b; r < e; ++r) op[r] = row_argmax<T>(xp + r * stride, vocab);
     });
   };
-  if (logits.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    TORCH_CHECK(logits.scalar_type() == at::kBFloat16, "argmax_rows: float32 or bfloat16, got ", logits.scalar_type());
-    run(at::BFloat16{});
-  }
+  float_or_bf16(logits.scalar_type(), "argmax_rows", run);
   return out;
 }
 

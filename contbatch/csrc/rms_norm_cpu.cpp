@@ -72,12 +72,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { rows_norm<T>(xp, wp, yp, b, e, hidden, static_cast<float>(eps)); });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
-    run(at::BFloat16{});
-  }
+  float_or_bf16(x.scalar_type(), "rms_norm", run);
   return y;
 }
 

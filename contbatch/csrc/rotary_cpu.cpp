@@ -89,12 +89,7 @@ at::Tensor rotate_one(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: x, cos and sin must share a dtype");
   at::Tensor out = at::empty_like(x);  // the input's layout, as the original's elementwise ops keep it
-  if (x.scalar_type() == at::kFloat) {
-    rotate<float>(x, cos, sin, out);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rotary: float32 or bfloat16, got ", x.scalar_type());
-    rotate<at::BFloat16>(x, cos, sin, out);
-  }
+  float_or_bf16(x.scalar_type(), "rotary", [&](auto tag) { rotate<decltype(tag)>(x, cos, sin, out); });
   return out;
 }
 

@@ -131,9 +131,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
     TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->numel() == weight.size(0),
                 "small_linear: the bias must have the weight's dtype and one value per output feature");
   }
-  if (weight.scalar_type() == at::kFloat) return run<float>(x, weight, bias);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "small_linear: float32 or bfloat16, got ", weight.scalar_type());
-  return run<at::BFloat16>(x, weight, bias);
+  at::Tensor y;
+  float_or_bf16(weight.scalar_type(), "small_linear", [&](auto tag) { y = run<decltype(tag)>(x, weight, bias); });
+  return y;
 }
 
 }  // namespace

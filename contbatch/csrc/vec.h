@@ -1,4 +1,5 @@
-// What the CPU kernels share: widening a value to float32, and (with AVX-512) loading sixteen
+// What the CPU kernels share: the float32/bfloat16 dispatch, widening a value to float32, and
+// (with AVX-512) loading sixteen
 // float32, bfloat16 or float16 values as one float32 vector and storing sixteen back with the
 // dtype's rounding. Included by every csrc/*.cpp;
 // native.py hashes it with them, so a change here rebuilds the library.
@@ -17,6 +18,18 @@ namespace contbatch_vec {
 
 inline float widen(float v) { return v; }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+
+// Calls fn(float{}) or fn(at::BFloat16{}) for `type`, the two dtypes the float32/bfloat16
+// kernels take; any other is an error naming `op`.
+template <typename Fn>
+void float_or_bf16(at::ScalarType type, const char* op, Fn&& fn) {
+  if (type == at::kFloat) {
+    fn(float{});
+    return;
+  }
+  TORCH_CHECK(type == at::kBFloat16, op, ": float32 or bfloat16, got ", type);
+  fn(at::BFloat16{});
+}
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
