@@ -86,6 +86,10 @@ class ContinuousBatchingConfig:
     # call inside engine steps where it matched the original bit for bit at start-up
     # (see engine/cpu_rotary.py); "aten" never does.
     cpu_rotary_kernel: str = "auto"
+    # CPU prefill attention (prompt chunks) on the torch backend: "auto" runs our C++ kernel, one
+    # call per layer for every chunk of the step, reading K/V in place (attention/cpu_kernel.py);
+    # "aten" runs SDPA one request at a time (the reference the kernel is tested against).
+    cpu_prefill_kernel: str = "auto"
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
     return_logprobs: bool = False
@@ -136,6 +140,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
         if self.cpu_rotary_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rotary_kernel must be 'auto' or 'aten', got {self.cpu_rotary_kernel!r}")
+        if self.cpu_prefill_kernel not in ("auto", "aten"):
+            raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
         if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native"):
@@ -173,6 +179,7 @@ class ResolvedConfig:
     kv_layout: str = "heads-first"  # "heads-first" [H_kv, slots, D] or "token-major" [slots, H_kv, D]
     use_cuda_graph: bool = False
     use_async_batching: bool = False
+    cpu_prefill_kernel: bool = False  # the torch backend's prefill chunks run our C++ kernel (else SDPA)
     q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS

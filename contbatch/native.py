@@ -1,7 +1,7 @@
 """Our C++ CPU kernels (`csrc/`), built once per machine into one library of `torch.ops.contbatch_cpu`.
 
-- `paged_decode`: decode attention reading K/V in place through the block tables
-  (`attention/cpu_kernel.py`);
+- `paged_decode` and `paged_prefill`: decode rows' and prompt chunks' attention, reading K/V
+  in place through the block tables (`attention/cpu_kernel.py`);
 - `small_linear`: linear layers over one to seven rows, bound by reading the weight
   (`engine/cpu_linear.py`);
 - `rms_norm` and `rotary`: a Llama-family RMSNorm and rotary embedding as one call each,

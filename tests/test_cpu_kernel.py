@@ -1,4 +1,5 @@
-"""The C++ CPU decode kernel (attention/cpu_kernel.py): reads K/V in place, matches the math."""
+"""The C++ CPU attention kernels (attention/cpu_kernel.py): decode rows and prompt chunks read
+K/V in place and match the math."""
 
 from __future__ import annotations
 
@@ -44,6 +45,58 @@ def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_maj
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (7, None, False), (70, 5.0, True)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3), (128, 8, 2), (80, 4, 4), (40, 2, 1)],
+                         ids=["generic", "d64-gqa3", "d128-gqa4", "d80-mha", "d40-partial-columns"])
+def test_prefill_kernel_matches_reference(dtype, tol, window, cap, with_sinks, dim, heads, kv_heads):
+    """Prompt chunks of 1-150 tokens, first chunks and later ones (earlier keys in the cache),
+    in one call, against dense attention: query tiles of several sizes, key blocks of 64 cut
+    by the causal diagonal and by the window, head dims in 16-float columns (64, 128, 80),
+    with a partial column (40) and without one (16). Rows of other requests are left alone."""
+    gen = torch.Generator().manual_seed(1)
+    bs, blocks = 8, 120
+    k, v = (torch.randn(kv_heads, blocks * bs, dim, generator=gen).to(dtype) for _ in range(2))
+    chunks = [(1, 1), (5, 5), (150, 150), (37, 200), (64, 64), (2, 90)]  # (query tokens, keys seen)
+    width = max(-(-kv // bs) for _, kv in chunks)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in chunks]).int()
+    decode_rows = 3  # rows before the chunks, as in a step: the kernel must not touch them
+    q_lens = torch.tensor([n for n, _ in chunks], dtype=torch.int32)
+    q_start = (torch.cumsum(q_lens, 0) - q_lens + decode_rows).int()
+    q = torch.randn(decode_rows + int(q_lens.sum()), heads, dim, generator=gen).to(dtype)
+    kv_lens = torch.tensor([kv for _, kv in chunks], dtype=torch.int32)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    out = torch.full_like(q, 7.0)
+    cpu_kernel.paged_prefill(q, k, v, table, q_start, q_lens, kv_lens, sinks, bs, 0.3, window, cap, out)
+    assert (out[:decode_rows] == 7.0).all()
+    for c, (n, kv) in enumerate(chunks):
+        rows = slice(int(q_start[c]), int(q_start[c]) + n)
+        ref = dense_attention(q[rows], k, v, table[c], kv, bs, 0.3, window, cap, sinks)
+        torch.testing.assert_close(out[rows].float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_prefill_kernel_reads_strided_queries_and_refuses_bad_inputs():
+    """The backend hands the projections' [T, H, D] view (heads not adjacent in memory)."""
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(2, 64, 32, generator=gen) for _ in range(2))
+    q = torch.randn(4, 20, 32, generator=gen).transpose(0, 1)  # [20, 4, 32], strided
+    table = torch.arange(8, dtype=torch.int32)[None]
+    args = (torch.tensor([0], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+            torch.tensor([30], dtype=torch.int32))
+    out = torch.empty(20, 4, 32)
+    cpu_kernel.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out)
+    torch.testing.assert_close(out, dense_attention(q, k, v, table[0], 30, 8, 0.5, None, None).float())
+    with pytest.raises(RuntimeError, match="inconsistent"):  # 20 query tokens cannot see only 10 keys
+        cpu_kernel.paged_prefill(q, k, v, table, args[0], args[1], torch.tensor([10], dtype=torch.int32), None, 8,
+                                 0.5, None, None, out)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernel.paged_prefill(q, k, v, table.long(), *args, None, 8, 0.5, None, None, out)
+    with pytest.raises(RuntimeError, match="shaped as query"):
+        cpu_kernel.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out[:10])
+
+
+@needs_kernel
 def test_kernel_refuses_bad_inputs():
     q = torch.randn(2, 4, 8)
     k = v = torch.randn(3, 16, 8)  # 4 query heads over 3 KV heads
@@ -55,17 +108,23 @@ def test_kernel_refuses_bad_inputs():
 
 
 @needs_kernel
-@pytest.mark.parametrize("fast,spec", [(True, False), (False, False), (True, True)],
-                         ids=["kernel", "gather", "kernel-speculative"])
-def test_engine_exact_with_and_without_the_kernel(sliding_model, fast, spec):
-    """Windowed and soft-capped models: the in-place kernel and the gather reference both
-    give `model.generate`'s tokens, and the resolved config says which ran. The kernel also
-    takes the short rows (chunks of <= 16 tokens here; with speculation, verification runs)
-    token by token."""
+@pytest.mark.parametrize("fast,prefill,spec,mbt", [(True, "auto", False, 32), (False, "aten", False, 32),
+                                                   (True, "auto", True, 32), (True, "auto", False, 96),
+                                                   (False, "auto", False, 96)],
+                         ids=["kernels", "gather-sdpa", "kernels-speculative", "prefill-kernel", "gather-prefill-kernel"])
+def test_engine_exact_with_and_without_the_kernel(sliding_model, fast, prefill, spec, mbt):
+    """Windowed and soft-capped models: the in-place kernels and the gather/SDPA reference all
+    give `model.generate`'s tokens, and the resolved config says which ran. The decode kernel
+    also takes the short rows (chunks of <= 16 tokens at 32 tokens a step; with speculation,
+    verification runs) token by token; at 96 tokens a step the prefill kernel takes chunks of
+    up to 96 tokens, first and later ones."""
     prompts = random_prompts(10, 1, 40, seed=21) + ([p * 3 for p in random_prompts(4, 3, 6, seed=22)] if spec else [])
-    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, decode_fast_path=fast,
+    prompts += random_prompts(2, 100, 150, seed=23) if mbt > 32 else []
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=mbt, decode_fast_path=fast,
+                                      cpu_prefill_kernel=prefill,
                                       speculative_config={"method": "ngram"} if spec else None)
-    assert ContinuousBatchingManager(sliding_model, config=config).resolved_config.decode_fast_path is fast
+    resolved = ContinuousBatchingManager(sliding_model, config=config).resolved_config
+    assert resolved.decode_fast_path is fast and resolved.cpu_prefill_kernel is (prefill == "auto")
     gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
     results = generate_batch(sliding_model, prompts, gc, config, progress_bar=False)
     for i, prompt in enumerate(prompts):
@@ -77,5 +136,7 @@ def test_missing_kernel_is_a_warning_not_a_failure(llama_model, monkeypatch):
     r = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(block_size=4)).resolved_config
     assert r.attention_backend == "torch" and not r.decode_fast_path
     assert any("C++ CPU decode kernel is unavailable (no compiler)" in w for w in r.warnings)
+    assert not r.cpu_prefill_kernel
+    assert any("C++ CPU prefill kernel is unavailable (no compiler)" in w for w in r.warnings)
     asked = backend_mod.choose_backend("torch", "cpu", 4, True, None, None)
     assert not asked.decode_fast_path and "decode_fast_path=True cannot run" in asked.warnings[0]

@@ -7,8 +7,9 @@ manager starts) and the resolved value says what actually runs.
 Every backend takes the same step layout (`StepMetadata`):
 - `torch`: the CPU path. Decode rows read K/V in place through the block tables in our C++
   kernel (`cpu_kernel.py`, its decode fast path; without it, or with the fast path off, they
-  gather their keys and run batched matmuls); prefill chunks run SDPA per request, planned
-  on the host each step, so no CUDA graphs.
+  gather their keys and run batched matmuls); prefill chunks read K/V in place in our C++
+  prefill kernel, every chunk of the step in one call (`cpu_prefill_kernel='aten'`, or no
+  compiler: SDPA per request). Planned on the host each step, so no CUDA graphs.
 - `triton`: our kernels (`triton_kernels.py`) over flat tensor metadata: a varlen kernel for
   mixed steps and a decode fast path that reads K/V in place through the block tables.
 - `flash`: `flash_attn_varlen_func` / `flash_attn_with_kvcache` over the same metadata; the
@@ -47,6 +48,7 @@ class BackendChoice:
     use_cuda_graph: bool
     use_async_batching: bool
     kv_layout: str
+    prefill_kernel: bool = False  # torch backend: prefill chunks in our C++ kernel, not SDPA
     notes: list[str] = field(default_factory=list)  # why something is off or changed
     warnings: list[str] = field(default_factory=list)  # the user asked for it and did not get it
 
@@ -58,6 +60,7 @@ def choose_backend(
     decode_fast_path: bool | None,
     use_cuda_graph: bool | None,
     use_async_batching: bool | None,
+    cpu_prefill_kernel: str = "auto",
 ) -> BackendChoice:
     c = BackendChoice(requested, block_size, False, False, False, "heads-first")
     cuda = device_type == "cuda"
@@ -106,6 +109,17 @@ def choose_backend(
         c.warnings.append(f"decode fast path off: {why_not}")
     elif not c.decode_fast_path:
         c.notes.append("decode fast path off: decode-only steps take the varlen/gather path")
+
+    if c.name == "torch" and not cuda:
+        if cpu_prefill_kernel == "aten":
+            c.notes.append("cpu_prefill_kernel='aten': prefill chunks run SDPA one request at a time")
+        else:
+            from . import cpu_kernel
+
+            c.prefill_kernel, how = cpu_kernel.load()
+            if not c.prefill_kernel:
+                c.warnings.append(f"the C++ CPU prefill kernel is {how}: prefill chunks run SDPA one request at a "
+                                  "time")
 
     graphs_ok = cuda and c.name in GRAPH_BACKENDS
     c.use_cuda_graph = graphs_ok if use_cuda_graph is None else (use_cuda_graph and graphs_ok)

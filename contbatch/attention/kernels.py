@@ -84,11 +84,11 @@ def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -
     return decode, varlen
 
 
-def load_backend(name: str, decode_fast_path: bool, block_size: int) -> AttentionBackend:
+def load_backend(name: str, decode_fast_path: bool, block_size: int, prefill_kernel: bool = False) -> AttentionBackend:
     if name == "torch":
         from .torch_backend import TorchBackend
 
-        return TorchBackend(decode_kernel=decode_fast_path)
+        return TorchBackend(decode_kernel=decode_fast_path, prefill_kernel=prefill_kernel)
     if name == "triton":
         from . import triton_kernels as tk
 

@@ -1,13 +1,14 @@
-// What the CPU kernels share: the float32/bfloat16 dispatch, widening a value to float32, and
-// (with AVX-512) loading sixteen
-// float32, bfloat16 or float16 values as one float32 vector and storing sixteen back with the
-// dtype's rounding. Included by every csrc/*.cpp;
-// native.py hashes it with them, so a change here rebuilds the library.
+// What the CPU kernels share: the float32/bfloat16 dispatch, widening a value to float32,
+// (with AVX-512) loading sixteen float32, bfloat16 or float16 values as one float32 vector and
+// storing sixteen back with the dtype's rounding, and the attention kernels' softmax exponent.
+// Included by every csrc/*.cpp; native.py hashes it with them, so a change here rebuilds the
+// library.
 
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -55,5 +56,54 @@ inline void store16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 #endif
+
+#if defined(__AVX512F__)
+// e^x for the softmax's shifted scores (x <= 0), 16 at a time: Cephes' expf (x = n ln2 + r,
+// a degree-7 polynomial in r, then 2^n), within ~1 ulp of std::exp. The scalar std::exp per
+// score was most of the decode kernel's time: three scores per key on a grouped-query model.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// sg[j] = e^(sg[j] - m) for j < n (a softmax's numerators, in place); returns their sum.
+inline float exp_shifted(float* sg, int64_t n, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv));
+    _mm512_storeu_ps(sg + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), mv));
+    _mm512_mask_storeu_ps(sg + j, tail, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+    j = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) {
+    sg[j] = std::exp(sg[j] - m);
+    sum += sg[j];
+  }
+  return sum;
+}
 
 }  // namespace contbatch_vec

@@ -54,7 +54,7 @@ class EngineCore:
             self.cache.block_manager, r.max_batch_tokens, r.max_requests_per_batch, r.safety_margin, self.host,
             r.hold_shared_prefixes,
         )
-        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size)
+        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size, r.cpu_prefill_kernel)
         bucketing = Bucketing(
             r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
             backend.max_varlen_tiles, backend.kv_keyed, fast_decode=backend.fast_decode,

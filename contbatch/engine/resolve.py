@@ -84,6 +84,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     use_async = False if spec is not None else cfg.use_async_batching
     backend = choose_backend(
         cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path, cfg.use_cuda_graph, use_async,
+        cfg.cpu_prefill_kernel,
     )
     bs = backend.block_size
     max_context = model_context(model)
@@ -163,6 +164,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         kv_layout=backend.kv_layout,
         use_cuda_graph=backend.use_cuda_graph,
         use_async_batching=backend.use_async_batching,
+        cpu_prefill_kernel=backend.prefill_kernel,
         q_padding_interval_size=cfg.q_padding_interval_size,
         kv_padding_interval_size=cfg.kv_padding_interval_size,
         max_cached_graphs=cfg.max_cached_graphs,
@@ -190,7 +192,9 @@ def describe(resolved: ResolvedConfig) -> str:
         f"(addresses {resolved.max_blocks_per_request * resolved.block_size} tokens) "
         f"max_context={resolved.max_context} scheduler={resolved.scheduler_type} "
         f"safety_margin={resolved.safety_margin} attention={resolved.attention_backend} "
-        f"decode_fast_path={resolved.decode_fast_path} cuda_graphs={resolved.use_cuda_graph} "
+        f"decode_fast_path={resolved.decode_fast_path} "
+        + (f"cpu_prefill_kernel={resolved.cpu_prefill_kernel} " if resolved.attention_backend == "torch" else "")
+        + f"cuda_graphs={resolved.use_cuda_graph} "
         f"async_batching={resolved.use_async_batching} kv_layout={resolved.kv_layout} "
         + (
             f"(graphs: decode buckets powers of two, varlen q/kv intervals {resolved.q_padding_interval_size}/"

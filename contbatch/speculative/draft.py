@@ -79,7 +79,7 @@ class DraftProposer:
         self.layout = KVLayout.from_model_config(self.model.config, next(self.model.parameters()).dtype)
         self.cache = PagedAttentionCache(self.layout, r.num_blocks, r.block_size, r.device, False, "lru",
                                          token_major=r.kv_layout == "token-major")
-        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size)
+        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size, r.cpu_prefill_kernel)
         bucketing = Bucketing(r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
                               backend.max_varlen_tiles, backend.kv_keyed, fast_decode=backend.fast_decode)
         self.runner = StepRunner(self.model, self.cache, backend, bucketing, r.max_batch_tokens,
