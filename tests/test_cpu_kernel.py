@@ -140,3 +140,42 @@ def test_missing_kernel_is_a_warning_not_a_failure(llama_model, monkeypatch):
     assert any("C++ CPU prefill kernel is unavailable (no compiler)" in w for w in r.warnings)
     asked = backend_mod.choose_backend("torch", "cpu", 4, True, None, None)
     assert not asked.decode_fast_path and "decode_fast_path=True cannot run" in asked.warnings[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_major", [False, True])
+@pytest.mark.parametrize("dim", [64, 8], ids=["whole-lines", "partial-lines"])
+def test_kv_write_matches_index_copy(dtype, token_major, dim):
+    """Our cache writer stores exactly what index_copy_ stores, heads-first or token-major,
+    rows filling whole 64-byte lines (streaming stores) or not, from strided rows, and
+    touches no other slot; enough rows to run on every thread."""
+    from contbatch.cache.paged_cache import KVLayout, PagedAttentionCache
+
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=dim, dtype=dtype)
+    cache = PagedAttentionCache(layout, num_blocks=80, block_size=64, token_major=token_major)
+    assert cache.native_write
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (1, 32, 5000):
+        slots = torch.randperm(cache.num_rows, generator=gen)[:tokens]
+        fused = torch.randn(tokens, 2 * 3 + 9, dim, generator=gen).to(dtype)  # q, k, v heads of one projection
+        key, value = fused[:, 9:12].transpose(0, 1), fused[:, 12:].transpose(0, 1)  # strided [3, T, D]
+        expect = [t.clone() for t in cache.kv(1)]
+        for e, rows in zip(expect, (key, value)):
+            e.index_copy_(1, slots, rows)
+        cache.write(1, slots, key, value)
+        assert all(torch.equal(got, e) for got, e in zip(cache.kv(1), expect))
+    assert not any(t.any() for t in cache.kv(0))  # another layer: untouched
+
+
+@needs_kernel
+def test_kv_write_refuses_bad_inputs():
+    k = v = torch.zeros(2, 16, 8)
+    rows = torch.ones(2, 3, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.contbatch_cpu.kv_write(k, v, torch.tensor([0, 5, 16]), rows, rows)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.contbatch_cpu.kv_write(k, v, torch.tensor([0, 5, 6], dtype=torch.int32), rows, rows)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.contbatch_cpu.kv_write(k, v, torch.tensor([0, 5, 6]), rows.double(), rows.double())
+    assert not k.any()
