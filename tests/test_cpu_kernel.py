@@ -179,3 +179,19 @@ def test_kv_write_refuses_bad_inputs():
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.contbatch_cpu.kv_write(k, v, torch.tensor([0, 5, 6]), rows.double(), rows.double())
     assert not k.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_memory_is_zeroed_and_outlives_its_mapping(dtype):
+    """Large CPU cache tensors live in an anonymous mapping advised for huge pages: zeroed,
+    contiguous, writable, and kept alive by the tensor alone."""
+    import gc
+
+    from contbatch.cache.paged_cache import HUGE_PAGE, _zeros
+
+    for shape in ((3, 8, 16), (3, HUGE_PAGE // 64 + 5, 64)):  # under and over one huge page
+        t = _zeros(shape, dtype, torch.device("cpu"))
+        gc.collect()
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+        t.fill_(2.0)
+        assert int(t.sum(dtype=torch.float64)) == 2 * t.numel()
