@@ -207,22 +207,24 @@ def _native_kv_write() -> bool:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor; on the CPU in memory the kernel may back with 2 MiB pages.
+    """A zeroed cache tensor. On the CPU: an anonymous mapping, which the OS hands out as zero
+    pages on first touch, advised for 2 MiB pages where the OS has them.
 
-    Each decode row reads its keys block by block from wherever the blocks lie: with 4 KiB
-    pages nearly every 4 KiB of keys is a TLB miss, and the new rows a step writes land on
-    random pages. Huge pages made the decode kernel 1.2-1.3x faster on float32 caches read from
-    memory, and a 32-request float32 workload's decode steps 1.02-1.19x faster (three
-    interleaved pairs, `benchmarks/RESULTS.md`). Where the OS cannot (no `madvise`, THP off)
-    the memory is ordinary pages, as `torch.zeros` gives."""
+    `torch.zeros` wrote every byte at start-up: a lone request's manager, whose cache is sized
+    to a share of RAM, spent 2-13 s zeroing 4.5 GiB it never used. Here memory is touched only
+    as blocks are written. Each decode row reads its keys block by block from wherever the
+    blocks lie: with 4 KiB pages nearly every 4 KiB of keys is a TLB miss, and the rows a step
+    writes land on random pages. Huge pages made the decode kernel 1.2-1.3x faster on float32
+    caches read from memory, and a 32-request float32 workload's decode steps 1.02-1.19x
+    faster (three interleaved pairs, `benchmarks/RESULTS.md`)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if device.type != "cpu" or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # holds the mapping
-    return tensor.zero_()  # the pages are zero already: this maps them all now, as torch.zeros did
+    buffer = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages off: ordinary pages
+            pass
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor holds the mapping
