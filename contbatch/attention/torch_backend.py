@@ -212,8 +212,10 @@ class TorchBackend:
         if step.prefill_chunks is not None:
             c = step.prefill_chunks
             k_cache, v_cache = meta.cache.kv(layer)
-            cpu_kernel.paged_prefill(query[0].transpose(0, 1), k_cache, v_cache, c.block_table, c.q_start, c.q_lens,
-                                     c.kv_lens, sinks, meta.cache.block_size, scaling, sliding_window, softcap, out)
+            q = query[0].transpose(0, 1)  # [T, H, D]: the projections' layout, no copy
+            q = q if q.stride(-1) == 1 else q.contiguous()
+            cpu_kernel.paged_prefill(q, k_cache, v_cache, c.block_table, c.q_start, c.q_lens, c.kv_lens, sinks,
+                                     meta.cache.block_size, scaling, sliding_window, softcap, out)
         for row in step.prefill_rows:
             s, n = row.q_start, row.q_len
             q = query[:, :, s : s + n]

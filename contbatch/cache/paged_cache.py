@@ -191,6 +191,7 @@ class PagedAttentionCache:
         """Store a step's new K/V (`[H_kv, T, D]`) at their slots (int64)."""
         if self.native_write:
             k_cache, v_cache = self.kv(layer_idx)
+            key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
             torch.ops.contbatch_cpu.kv_write(k_cache, v_cache, slots, key, value)
         elif self.token_major:
             self.key_cache[layer_idx].index_copy_(0, slots, key.transpose(0, 1))
