@@ -80,11 +80,13 @@ def test_manager_logs_warnings_at_start_and_reports_them(llama_model, caplog, mo
     manager = ContinuousBatchingManager(llama_model, config=config)
     r = manager.resolved_config
     assert r.attention_backend == "torch" and not r.use_cuda_graph and not r.decode_fast_path
-    assert len(r.warnings) == 2
+    assert len(r.warnings) == 3  # the two asked for, and the prefill kernel's absence (SDPA instead)
+    assert any("prefill chunks run SDPA" in w for w in r.warnings)
     with caplog.at_level(logging.WARNING, logger="contbatch"):
         manager.start()
         manager.stop()
-    assert sum("use_cuda_graph=True" in m or "decode_fast_path=True" in m for m in caplog.messages) == 2
+    assert sum("use_cuda_graph=True" in m or "decode_fast_path=True" in m or "prefill kernel" in m
+               for m in caplog.messages) == 3
 
 
 # -- buckets, padding, graph LRU ---------------------------------------------------------
