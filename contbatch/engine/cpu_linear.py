@@ -37,8 +37,10 @@ against `model.generate` in the test suite like every kernel choice.
 
 from __future__ import annotations
 
+import functools
 import time
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -165,29 +167,33 @@ def _seconds(fn, weights: list[torch.Tensor], repeats: int) -> float:
     return best
 
 
+def _copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[torch.Tensor]:
+    """As many [out, in] weights as `pool` holds (at least one), cut from it without copying."""
+    size = out_features * in_features
+    return [pool[i * size:(i + 1) * size].view(out_features, in_features) for i in range(max(1, pool.numel() // size))]
+
+
 def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, kernels: tuple[str, ...],
-           prepack: bool = False) -> dict[str, float]:
+           packed: Callable[[], list[torch.Tensor]] | None = None) -> dict[str, float]:
     """Best-of seconds per kernel for one product, cached per process, thread count and pool.
     Each timed call reads a different copy of the weight, cut from `pool`: a real forward
     streams its weights from memory, and timing one weight over and over (hot in the cache)
     chose the wrong kernel. On the EPYC, one row of 576x1536: MKL 49 us hot vs oneDNN 63, but
-    198 vs 144 us with the weight in memory, which is what a lone request decoding sees."""
+    198 vs 144 us with the weight in memory, which is what a lone request decoding sees.
+    `packed`, where oneDNN runs on prepacked weights, gives the pool's copies packed (what will
+    run), made once per shape for every row count probed."""
+    prepack = packed is not None
     key = (out_features, in_features, rows, torch.get_num_threads(), pool.numel(), pool.dtype, kernels, prepack)
     if key not in _probe_cache:
-        size = out_features * in_features
-        weights = [pool[i * size:(i + 1) * size].view(out_features, in_features)
-                   for i in range(max(1, pool.numel() // size))]
+        weights = _copies(pool, out_features, in_features)
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
-        repeats = max(3, min(10, int(2e8 // max(size * rows * len(weights), 1))))
+        repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
         fns = {"aten": torch.nn.functional.linear, "onednn": packed_linear if prepack else onednn_linear,
                "native": native_linear}
         with torch.inference_mode():
-            times = {}
-            for k in kernels:
-                ws = [pack(w) for w in weights] if k == "onednn" and prepack else weights  # what will run
-                times[k] = _seconds(lambda w, f=fns[k]: f(x, w, None), ws, repeats)
-                del ws
-            _probe_cache[key] = times
+            _probe_cache[key] = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
+                                             packed() if k == "onednn" and prepack else weights, repeats)
+                                 for k in kernels}
     return _probe_cache[key]
 
 
@@ -293,12 +299,14 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         pool = _probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
+            packed = functools.cache(lambda s=shape: [pack(w) for w in _copies(pool, s[0], s[1])])
             for regime, rows in enumerate(PROBE_ROWS):
                 kernels = tuple(k for k in available if k != "native" or rows <= NATIVE_MAX_ROWS)
-                times = _probe(shape[0], shape[1], rows, pool, kernels, prepack and rows > 1)
+                times = _probe(shape[0], shape[1], rows, pool, kernels, packed if prepack and rows > 1 else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
                 chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
+            del packed  # the packed copies (up to POOL_BYTES) go before the next shape's are made
         del pool
     routes = tuple((s, tuple(k)) for s, k in chosen.items() if set(k) != {"aten"})
     parts = []
