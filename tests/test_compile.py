@@ -165,3 +165,28 @@ def test_a_second_manager_reuses_the_compiled_step():
         outs = [m.get_result(rid, timeout=600) for rid in m.add_requests(prompts[:2])]
     for prompt, out in zip(prompts, outs):
         assert out.generated_tokens == reference_generate(twin, prompt, 5)
+
+
+def test_identical_layers_trace_once_as_regions():
+    """Each decoder layer is a nested compile region: Dynamo traces a layer once and stamps it
+    out for the identical ones (the layer index reaches paged attention as a tensor), while a
+    layer that differs (Gemma 2 alternates sliding-window and full attention) gets a region of
+    its own. Exact against `generate`."""
+    model = make_tiny_model("gemma2")  # 4 layers: sliding, full, sliding, full
+    regions: list[list[str]] = []
+
+    def recording(gm, example_inputs):
+        regions.append([n.args[1] for n in gm.graph.nodes if "invoke_subgraph" in str(n.target)])
+        return gm.forward
+
+    traced = CompileConfig(backend=recording, fullgraph=True, dynamic=True)
+    config = ContinuousBatchingConfig(block_size=4, decode_compile_config=traced, varlen_compile_config=traced)
+    prompts = random_prompts(4, 2, 30, seed=12)
+    with continuous_batching(model, GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None),
+                             config) as m:
+        outs = [m.get_result(rid, timeout=600) for rid in m.add_requests(prompts)]
+        assert m.stats()["graph_breaks"] == 0
+    assert regions and all(len(calls) == 4 and len(set(calls)) == 2 for calls in regions), regions
+    assert all(calls[0] == calls[2] and calls[1] == calls[3] for calls in regions), regions
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_generate(model, prompt, 4)

@@ -127,7 +127,7 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
         assert set(auto.kernels_at(regime)) <= shapes
         assert set(auto.kernels_at(regime).values()) <= {"onednn", "native"}
     assert "4 rows:" in auto.summary and "64 rows:" in auto.summary
-    assert "probed in" in auto.summary  # the verdict and its numbers, for the start-up line
+    assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
     half = make_tiny_model("llama").to(torch.float16)
     plan = ContinuousBatchingManager(half, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
@@ -173,3 +173,29 @@ def test_probe_streams_weights_from_memory():
     assert cpu_linear._probe_pool(100, 10_000, torch.bfloat16).numel() == 10_000
     times = cpu_linear._probe(64, 32, 1, pool, ("aten", "onednn"))
     assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())
+
+
+def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypatch):
+    """The probe's timings are kept in $CONTBATCH_CACHE per machine: a later process routes the
+    same way without probing (and so rounds the same way), and its start-up line says where
+    the verdicts came from; a damaged file is probed over."""
+    monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
+
+    def new_process() -> None:
+        monkeypatch.setattr(cpu_linear, "_probe_cache", {})
+        monkeypatch.setattr(cpu_linear, "_store_data", {})
+
+    new_process()
+    first = cpu_linear.plan_linear(llama_model)
+    assert "probed in" in first.summary and cpu_linear.store_path().is_file()
+    assert str(tmp_path) in str(cpu_linear.store_path())
+    new_process()
+    probes = cpu_linear._probes[0]
+    second = cpu_linear.plan_linear(llama_model)
+    assert cpu_linear._probes[0] == probes and second.routes == first.routes
+    assert f"probe verdicts reused from {cpu_linear.store_path()}" in second.summary
+    cpu_linear.store_path().write_text("{not json")
+    new_process()
+    third = cpu_linear.plan_linear(llama_model)
+    assert "probed in" in third.summary and cpu_linear._probes[0] > probes
+    assert json.loads(cpu_linear.store_path().read_text())  # written again, whole

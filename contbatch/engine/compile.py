@@ -5,12 +5,15 @@ with dynamic shapes; 3 the same with `dynamic=False` (one compile per padded ste
 `decode_compile_config` and `varlen_compile_config` (transformers' `CompileConfig`) override the
 level for decode-only steps and for every other step. What is compiled is the whole forward,
 embeddings to the sampled rows' logits, with paged attention as one opaque custom op per layer
-(`attention/ops.py`): no graph break. Compiled steps are padded to the graph buckets
-(`buckets.py`), so the number of compiles stays bounded; `stats()` counts them.
+(`attention/ops.py`): no graph break. Each decoder layer is a nested compile region, so
+Dynamo traces one layer of each kind and Inductor compiles it once (`mark_layer_regions`).
+Compiled steps are padded to the graph buckets (`buckets.py`), so the number of compiles stays
+bounded; `stats()` counts them.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -32,15 +35,15 @@ LEVELS: dict[int, dict | None] = {
     3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
 }
 PATHS = ("decode", "varlen")
-# The default level, by measurement (2-core AMD EPYC, SmolLM2-135M fp32, 2026-12-01): with the
-# routed linear kernels inside the graph, level 1 ran 1.06-1.10x the eager step's throughput
-# (1, 4 and 16 requests, one manager, tokens identical) after 60-100 s of compiling at start-up
-# (30 s of it Dynamo tracing 30 layers, paid again by every new process), so eager stays the
-# default: the compile pays for itself only after ~15 minutes of steady decoding. On a GPU the
-# step runs in CUDA graphs already.
+# The default level, by measurement (SmolLM2-135M fp32, one manager, tokens identical): on a
+# 2-core AMD EPYC with AVX-512 (2026-12-01) level 1 ran 1.06-1.10x the eager step's throughput
+# at 1, 4 and 16 requests; on a 2-core AVX2 EPYC (2026-12-02, layers as compile regions) 1.11x
+# at one request but 0.89x at 4 and 0.78x at 16, after 74-84 s of compiling on a cold cache
+# (34-55 s warm). So eager stays the default. On a GPU the step runs in CUDA graphs already.
 DEFAULT_LEVEL = 0
-DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 1.06-1.10x eager throughput on the CPU for "
-                      "60-100 s of compiling at start-up (benchmarks/RESULTS.md); pass --compile-level 1 for long runs")
+DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 0.78-1.11x eager throughput on the CPU for "
+                      "35-85 s of compiling at start-up (benchmarks/RESULTS.md); try --compile-level 1 for a lone "
+                      "stream")
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,54 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
                         logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
             return out.logits[0]
 
-        cache[key] = torch.compile(_own_code(forward), **choice.kwargs())
+        mark_layer_regions(model)
+        compiled = torch.compile(_own_code(forward), **choice.kwargs())
+        # Floats (a norm's eps, the attention scaling) as constants: left symbolic, they become
+        # operands of every layer region, which the region op does not take.
+        cache[key] = torch._dynamo.config.patch(specialize_float=True)(compiled)
     return cache[key]
+
+
+def mark_layer_regions(model: torch.nn.Module) -> int:
+    """Mark each decoder layer as a nested compile region, so Dynamo traces one layer and
+    stamps it out for the others of its kind, and Inductor compiles it once: tracing the
+    default model's 30 layers one by one took ~30 s of every start (cold or warm). A layer
+    that differs (a sliding window, another head count) fails the region's guards and is
+    traced on its own, so nothing is reused wrongly. The layer index, the one constant that
+    differs between identical layers, reaches paged attention as a tensor
+    (`_contbatch_layer`), not baked into the graph. Outside a compiled call the region is
+    the layer's own forward. Returns the number of layers marked."""
+    marked = 0
+    for layers in _decoder_layer_lists(model):
+        for layer in layers:
+            current = layer.__dict__.get("forward")  # a forward of its own: someone else's, left alone
+            if current is None or getattr(current, "__func__", None) is type(layer).forward:
+                layer.forward = types.MethodType(_region(type(layer)), layer)
+            marked += getattr(layer.__dict__["forward"], "__func__", None) is _region(type(layer))
+    for module in model.modules():
+        if isinstance(getattr(module, "layer_idx", None), int) and "_contbatch_layer" not in module.__dict__:
+            module._contbatch_layer = torch.tensor(module.layer_idx)  # a plain attribute: stays on the CPU
+    return marked
+
+
+def _decoder_layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The model's stacks of decoder layers: module lists of two or more layers of one class,
+    each holding an attention module (one with a `layer_idx`)."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            if all(any(isinstance(getattr(sub, "layer_idx", None), int) for sub in m.modules()) for m in module):
+                found.append(module)
+    return found
+
+
+@functools.cache
+def _region(cls: type) -> Callable:
+    region = torch.compiler.nested_compile_region(cls.forward)
+    # Named as the forward it wraps: a pickled layer then unpickles with its class's forward
+    # (a bound method pickles as `getattr(layer, name)`).
+    region.__name__, region.__qualname__ = cls.forward.__name__, cls.forward.__qualname__
+    return region
 
 
 class CompiledSteps(dict):

@@ -20,6 +20,8 @@ At start-up the engine times them on each distinct weight shape and dtype of the
 one row (a lone request decoding), at four rows (a few requests, a speculative verification
 run) and at 64 rows, each timed call reading a different copy of the weight as a forward
 does, and routes a shape to a kernel other than aten only where it wins by a clear margin.
+The timings persist in `$CONTBATCH_CACHE/linear_probe/` per machine, so later starts route (and
+round) the same way without probing again.
 
 Only calls made inside an engine step are routed (`ops.in_step()`, set on the engine thread
 around each forward): the user's own forward, backward or `model.generate` on the same model
@@ -38,6 +40,10 @@ against `model.generate` in the test suite like every kernel choice.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
 import time
 import types
 from collections.abc import Callable
@@ -65,6 +71,7 @@ PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies 
 # vs ~3.4 ms, and worse inside the engine), so single rows keep the plain weight.
 PACK_ROWS = 64
 _probe_cache: dict[tuple, dict[str, float]] = {}
+logger = logging.getLogger("contbatch")
 
 
 def onednn_available() -> bool:
@@ -184,6 +191,9 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
     run), made once per shape for every row count probed."""
     prepack = packed is not None
     key = (out_features, in_features, rows, torch.get_num_threads(), pool.numel(), pool.dtype, kernels, prepack)
+    if key not in _probe_cache and _store_key(key) in _store():
+        _probe_cache[key] = _store()[_store_key(key)]
+        _store_hits.append(key)
     if key not in _probe_cache:
         weights = _copies(pool, out_features, in_features)
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
@@ -194,7 +204,69 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
             _probe_cache[key] = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
                                              packed() if k == "onednn" and prepack else weights, repeats)
                                  for k in kernels}
+        _store()[_store_key(key)] = _probe_cache[key]
+        _store_dirty.append(key)
+        _probes[0] += 1
     return _probe_cache[key]
+
+
+# Probe verdicts persist in $CONTBATCH_CACHE, per machine (CPU model and instruction set, torch,
+# our kernels' build): a later process routes the same way without probing (~2-3.5 s of every
+# start on the default model), and so rounds the same way: two runs of one job give the same
+# tokens. Delete the file (its path is in the start-up line) to probe again.
+_store_data: dict[str, dict[str, dict[str, float]]] = {}
+_store_hits: list[tuple] = []
+_store_dirty: list[tuple] = []
+_probes = [0]  # products timed in this process
+
+
+def _store_key(key: tuple) -> str:
+    out_features, in_features, rows, threads, numel, dtype, kernels, prepack = key
+    return (f"{out_features}x{in_features} rows={rows} threads={threads} pool={numel} {dtype} "
+            f"{','.join(kernels)}{' packed' if prepack else ''}")
+
+
+def store_path():
+    from ..models import cache_dir
+
+    cpu = native._cpu_flags()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    machine = hashlib.sha256(f"{cpu}|{torch.__version__}|{native.build_key()}".encode()).hexdigest()[:16]
+    return cache_dir() / "linear_probe" / f"{machine}.json"
+
+
+def _store() -> dict[str, dict[str, float]]:
+    if not _store_data:
+        _store_data[""] = {}  # loaded (an empty or unreadable file probes as before)
+        try:
+            _store_data[""] = json.loads(store_path().read_text())
+        except (OSError, ValueError):
+            pass
+    return _store_data[""]
+
+
+def _save_store() -> None:
+    """Write the verdicts probed in this process next to those already on disk (atomically:
+    managers of two processes may save at once)."""
+    if not _store_dirty:
+        return
+    _store_dirty.clear()
+    path = store_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            on_disk = json.loads(path.read_text())
+        except (OSError, ValueError):
+            on_disk = {}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**on_disk, **_store()}, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache: probe again next time
+        logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
 
 
 def _probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> torch.Tensor:
@@ -290,6 +362,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         return LinearPlan(kernel, routes, f"{kernel} for all {len(shapes)} weight shapes (as asked{above})"
                           + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
+    hits, probed = len(_store_hits), _probes[0]
     chosen: dict[Shape, list[str]] = {}
     gains: list[list[float]] = [[] for _ in PROBE_ROWS]
     for name in sorted({s[2] for s in shapes}):
@@ -314,7 +387,12 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         counts = {k: sum(v[regime] == k for v in chosen.values()) for k in KERNELS[1:]}
         parts.append(f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
                      + f" of {len(shapes)} shapes (aten/best time {min(gains[regime]):.2f}-{max(gains[regime]):.2f}x)")
-    summary = "; ".join(parts) + f"; probed in {time.perf_counter() - start:.2f} s, kept where >= {WIN_MARGIN}x"
+    _save_store()
+    how = f"probed in {time.perf_counter() - start:.2f} s"
+    if len(_store_hits) > hits:
+        how = f"{how}, other verdicts" if _probes[0] > probed else "probe verdicts"
+        how += f" reused from {store_path()} (delete it to probe again)"
+    summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x"
     return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
 
 
