@@ -190,3 +190,23 @@ def test_identical_layers_trace_once_as_regions():
     assert all(calls[0] == calls[2] and calls[1] == calls[3] for calls in regions), regions
     for prompt, out in zip(prompts, outs):
         assert out.generated_tokens == reference_generate(model, prompt, 4)
+
+
+def test_layers_of_too_many_kinds_are_not_regions():
+    """A stack whose layers differ in more than MAX_REGION_KINDS ways is traced layer by
+    layer (a region would be looked up and traced anyway); alike layers are marked once, and
+    marking again changes nothing."""
+    from contbatch.engine import compile as compile_mod
+
+    model = make_tiny_model("gemma2")
+    assert compile_mod.mark_layer_regions(model) == 4 == compile_mod.mark_layer_regions(model)
+    assert [int(layer.self_attn._contbatch_layer) for layer in model.model.layers] == [0, 1, 2, 3]
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=10,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    mixed = transformers.LlamaForCausalLM(config)
+    for i, layer in enumerate(mixed.model.layers):
+        layer.mlp.variant = i  # ten kinds of layer
+    assert compile_mod.mark_layer_regions(mixed) == 0
+    assert all("forward" not in layer.__dict__ for layer in mixed.model.layers)

@@ -35,6 +35,10 @@ LEVELS: dict[int, dict | None] = {
     3: {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
 }
 PATHS = ("decode", "varlen")
+# A stack of decoder layers with more kinds than this (by `_structure`) is not marked as
+# regions: each layer would be traced anyway, after a guard check against every earlier kind.
+MAX_REGION_KINDS = 8
+REGION_REUSE_ENTRIES = 1024
 # The default level, by measurement (SmolLM2-135M fp32, one manager, tokens identical): on a
 # 2-core AMD EPYC with AVX-512 (2026-12-01) level 1 ran 1.06-1.10x the eager step's throughput
 # at 1, 4 and 16 requests; on a 2-core AVX2 EPYC (2026-12-02, layers as compile regions) 1.11x
@@ -108,7 +112,8 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
                         logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
             return out.logits[0]
 
-        mark_layer_regions(model)
+        marked = mark_layer_regions(model)
+        logger.info("contbatch: %d decoder layers compile as nested regions", marked)
         compiled = torch.compile(_own_code(forward), **choice.kwargs())
         # Floats (a norm's eps, the attention scaling) as constants: left symbolic, they become
         # operands of every layer region, which the region op does not take.
@@ -127,11 +132,17 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
     the layer's own forward. Returns the number of layers marked."""
     marked = 0
     for layers in _decoder_layer_lists(model):
+        kinds = len({_structure(layer) for layer in layers})
+        if kinds > MAX_REGION_KINDS:  # regions would not be reused: each lookup would only cost time
+            logger.info("contbatch: %d decoder layers of %d kinds: traced one by one, not as regions",
+                        len(layers), kinds)
+            continue
+        region = _region(type(layers[0]))
         for layer in layers:
             current = layer.__dict__.get("forward")  # a forward of its own: someone else's, left alone
-            if current is None or getattr(current, "__func__", None) is type(layer).forward:
-                layer.forward = types.MethodType(_region(type(layer)), layer)
-            marked += getattr(layer.__dict__["forward"], "__func__", None) is _region(type(layer))
+            if current is None or getattr(current, "__func__", None) in (type(layer).forward, region):
+                layer.forward = types.MethodType(region, layer)
+            marked += getattr(layer.__dict__["forward"], "__func__", None) is region
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int) and "_contbatch_layer" not in module.__dict__:
             module._contbatch_layer = torch.tensor(module.layer_idx)  # a plain attribute: stays on the CPU
@@ -149,9 +160,28 @@ def _decoder_layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
     return found
 
 
+def _structure(layer: torch.nn.Module) -> tuple:
+    """What tracing a layer depends on besides its inputs, its index aside: the classes, plain
+    attributes and parameter shapes of its modules. Layers alike here are meant to share a
+    region (Dynamo's guards still decide)."""
+    scalar = (int, float, str, bool, type(None))
+    parts = []
+    for name, module in layer.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(module).items() if k not in ("layer_idx", "_contbatch_layer")
+                             and (isinstance(v, scalar) or isinstance(v, tuple) and all(isinstance(x, scalar)
+                                                                                         for x in v))))
+        tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(recurse=False),
+                                                                   *module.named_buffers(recurse=False)))
+        parts.append((name, type(module), attrs, tensors))
+    return tuple(parts)
+
+
 @functools.cache
 def _region(cls: type) -> Callable:
-    region = torch.compiler.nested_compile_region(cls.forward)
+    # Reuse entries without Dynamo's default cap of 8 (it raises past it): a layer that differs
+    # in a way `_structure` does not see (its forward reads its own index) must cost a trace of
+    # its own, not the whole compile.
+    region = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=REGION_REUSE_ENTRIES)
     # Named as the forward it wraps: a pickled layer then unpickles with its class's forward
     # (a bound method pickles as `getattr(layer, name)`).
     region.__name__, region.__qualname__ = cls.forward.__name__, cls.forward.__qualname__

@@ -211,7 +211,7 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
 
 
 # Probe verdicts persist in $CONTBATCH_CACHE, per machine (CPU model and instruction set, torch,
-# our kernels' build): a later process routes the same way without probing (~2-3.5 s of every
+# our kernels' build): a later process routes the same way without probing (2-7 s of every
 # start on the default model), and so rounds the same way: two runs of one job give the same
 # tokens. Delete the file (its path is in the start-up line) to probe again.
 _store_data: dict[str, dict[str, dict[str, float]]] = {}
