@@ -210,3 +210,4 @@ def test_layers_of_too_many_kinds_are_not_regions():
         layer.mlp.variant = i  # ten kinds of layer
     assert compile_mod.mark_layer_regions(mixed) == 0
     assert all("forward" not in layer.__dict__ for layer in mixed.model.layers)
+    assert not any("_contbatch_layer" in m.__dict__ for m in mixed.modules())  # the index stays a constant

@@ -45,26 +45,41 @@ def current_step(meta: StepMetadata):
 
 
 @torch.library.custom_op("contbatch::paged_attention", mutates_args=())
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scaling: float,
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                     sliding_window: int, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Writes the layer's new K/V into the paged cache and attends (`sliding_window` -1 and
     `softcap` 0 mean none; `sinks`: one logit per query head, or None); [1, H, T, D] queries
     -> [1, T, H, D]. The cache write is a side effect on tensors the graph never sees; each
     layer touches only its own, and steps run in order, so no reordering the compiler may do
-    can observe it. `layer` is a 0-d CPU tensor, not an int, so identical decoder layers trace
-    to one graph region (`engine/compile.py`, `mark_layer_regions`)."""
+    can observe it."""
     meta = active_step()
     if meta is None:
         raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
     from .paged import cache_layer  # paged imports this module
 
-    layer = cache_layer(meta, int(layer))
+    layer = cache_layer(meta, layer)
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
     window = None if sliding_window < 0 else sliding_window
     cap = None if softcap == 0 else softcap
     return meta.backend.attend(query, key, value, meta, layer, scaling, window, cap, sinks).contiguous()
 
 
+@torch.library.custom_op("contbatch::paged_attention_region", mutates_args=())
+def paged_attention_region(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor,
+                           scaling: float, sliding_window: int, softcap: float,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` with the layer index as a 0-d CPU tensor, an input rather than a
+    constant of the graph, so identical decoder layers trace to one nested compile region
+    (`engine/compile.py`, `mark_layer_regions`; CPU models only: a CPU input in a CUDA graph is
+    left for the GPU check)."""
+    return paged_attention(query, key, value, int(layer), scaling, sliding_window, softcap, sinks)
+
+
 @paged_attention.register_fake
+def _(query, key, value, layer, scaling, sliding_window, softcap, sinks=None):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@paged_attention_region.register_fake
 def _(query, key, value, layer, scaling, sliding_window, softcap, sinks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])

@@ -55,10 +55,11 @@ def paged_attention_forward(
     if step_metadata is ops.COMPILED_STEP:  # a compiled step: one opaque op; the step is in `current_step`
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         window = -1 if sliding_window is None else sliding_window
-        # The layer index as a tensor: identical layers then trace to one reusable region.
-        layer = getattr(module, "_contbatch_layer", None)
-        layer = torch.tensor(module.layer_idx) if layer is None else layer
-        return torch.ops.contbatch.paged_attention(query, key, value, layer, scaling, window,
+        layer = getattr(module, "_contbatch_layer", None)  # a tensor where layers are compile regions
+        if layer is not None:
+            return torch.ops.contbatch.paged_attention_region(query, key, value, layer, scaling, window,
+                                                              softcap or 0.0, sinks), None
+        return torch.ops.contbatch.paged_attention(query, key, value, module.layer_idx, scaling, window,
                                                    softcap or 0.0, sinks), None
     meta = step_metadata
     layer = cache_layer(meta, module.layer_idx)

@@ -112,8 +112,9 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
                         logits_to_keep=logits_indices, use_cache=False, step_metadata=ops.COMPILED_STEP)
             return out.logits[0]
 
-        marked = mark_layer_regions(model)
-        logger.info("contbatch: %d decoder layers compile as nested regions", marked)
+        if all(p.device.type == "cpu" for p in model.parameters()):  # see ops.paged_attention_region
+            marked = mark_layer_regions(model)
+            logger.info("contbatch: %d decoder layers compile as nested regions", marked)
         compiled = torch.compile(_own_code(forward), **choice.kwargs())
         # Floats (a norm's eps, the attention scaling) as constants: left symbolic, they become
         # operands of every layer region, which the region op does not take.
@@ -128,7 +129,7 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
     that differs (a sliding window, another head count) fails the region's guards and is
     traced on its own, so nothing is reused wrongly. The layer index, the one constant that
     differs between identical layers, reaches paged attention as a tensor
-    (`_contbatch_layer`), not baked into the graph. Outside a compiled call the region is
+    (`_contbatch_layer`, `ops.paged_attention_region`), not baked into the graph. Outside a compiled call the region is
     the layer's own forward. Returns the number of layers marked."""
     marked = 0
     for layers in _decoder_layer_lists(model):
@@ -143,9 +144,10 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
             if current is None or getattr(current, "__func__", None) in (type(layer).forward, region):
                 layer.forward = types.MethodType(region, layer)
             marked += getattr(layer.__dict__["forward"], "__func__", None) is region
-    for module in model.modules():
-        if isinstance(getattr(module, "layer_idx", None), int) and "_contbatch_layer" not in module.__dict__:
-            module._contbatch_layer = torch.tensor(module.layer_idx)  # a plain attribute: stays on the CPU
+        if marked:
+            for module in layers.modules():
+                if isinstance(getattr(module, "layer_idx", None), int) and "_contbatch_layer" not in module.__dict__:
+                    module._contbatch_layer = torch.tensor(module.layer_idx)  # a plain attribute: stays on the CPU
     return marked
 
 
