@@ -128,9 +128,9 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
     default model's 30 layers one by one took ~30 s of every start (cold or warm). A layer
     that differs (a sliding window, another head count) fails the region's guards and is
     traced on its own, so nothing is reused wrongly. The layer index, the one constant that
-    differs between identical layers, reaches paged attention as a tensor
-    (`_contbatch_layer`, `ops.paged_attention_region`), not baked into the graph. Outside a compiled call the region is
-    the layer's own forward. Returns the number of layers marked."""
+    differs between identical layers, reaches paged attention as a tensor (`_contbatch_layer`,
+    `ops.paged_attention_region`), not baked into the graph. Outside a compiled call the
+    region is the layer's own forward. Returns the number of layers marked."""
     marked = 0
     for layers in _decoder_layer_lists(model):
         kinds = len({_structure(layer) for layer in layers})
@@ -143,9 +143,10 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
             current = layer.__dict__.get("forward")  # a forward of its own: someone else's, left alone
             if current is None or getattr(current, "__func__", None) in (type(layer).forward, region):
                 layer.forward = types.MethodType(region, layer)
-            marked += getattr(layer.__dict__["forward"], "__func__", None) is region
-        if marked:
-            for module in layers.modules():
+            if getattr(layer.__dict__["forward"], "__func__", None) is not region:
+                continue
+            marked += 1
+            for module in layer.modules():
                 if isinstance(getattr(module, "layer_idx", None), int) and "_contbatch_layer" not in module.__dict__:
                     module._contbatch_layer = torch.tensor(module.layer_idx)  # a plain attribute: stays on the CPU
     return marked
