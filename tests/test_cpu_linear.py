@@ -181,21 +181,22 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     the verdicts came from; a damaged file is probed over."""
     monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
 
-    def new_process() -> None:
-        monkeypatch.setattr(cpu_linear, "_probe_cache", {})
-        monkeypatch.setattr(cpu_linear, "_store_data", {})
+    def new_process() -> cpu_linear.ProbeStore:
+        store = cpu_linear.ProbeStore()
+        monkeypatch.setattr(cpu_linear, "_store", store)
+        return store
 
-    new_process()
+    store = new_process()
     first = cpu_linear.plan_linear(llama_model)
-    assert "probed in" in first.summary and cpu_linear.store_path().is_file()
-    assert str(tmp_path) in str(cpu_linear.store_path())
-    new_process()
-    probes = cpu_linear._probes[0]
+    path = store.path
+    assert "probed in" in first.summary and path.is_file() and store.probed > 0
+    assert str(tmp_path) in str(path)
+    store = new_process()
     second = cpu_linear.plan_linear(llama_model)
-    assert cpu_linear._probes[0] == probes and second.routes == first.routes
-    assert f"probe verdicts reused from {cpu_linear.store_path()}" in second.summary
-    cpu_linear.store_path().write_text("{not json")
-    new_process()
+    assert store.probed == 0 and store.path == path and second.routes == first.routes
+    assert f"probe verdicts reused from {path}" in second.summary
+    path.write_text("{not json")
+    store = new_process()
     third = cpu_linear.plan_linear(llama_model)
-    assert "probed in" in third.summary and cpu_linear._probes[0] > probes
-    assert json.loads(cpu_linear.store_path().read_text())  # written again, whole
+    assert "probed in" in third.summary and store.probed > 0
+    assert json.loads(path.read_text())  # written again, whole

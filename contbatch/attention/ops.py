@@ -76,10 +76,6 @@ def paged_attention_region(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 @paged_attention.register_fake
-def _(query, key, value, layer, scaling, sliding_window, softcap, sinks=None):
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-
-
 @paged_attention_region.register_fake
 def _(query, key, value, layer, scaling, sliding_window, softcap, sinks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])

@@ -48,7 +48,8 @@ import time
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
@@ -70,7 +71,6 @@ PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies 
 # slower on it than on the plain weight in a lone request's steps (the 49152x576 LM head: ~3.8
 # vs ~3.4 ms, and worse inside the engine), so single rows keep the plain weight.
 PACK_ROWS = 64
-_probe_cache: dict[tuple, dict[str, float]] = {}
 logger = logging.getLogger("contbatch")
 
 
@@ -190,83 +190,86 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
     `packed`, where oneDNN runs on prepacked weights, gives the pool's copies packed (what will
     run), made once per shape for every row count probed."""
     prepack = packed is not None
-    key = (out_features, in_features, rows, torch.get_num_threads(), pool.numel(), pool.dtype, kernels, prepack)
-    if key not in _probe_cache and _store_key(key) in _store():
-        _probe_cache[key] = _store()[_store_key(key)]
-        _store_hits.append(key)
-    if key not in _probe_cache:
+    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} pool={pool.numel()} "
+           f"{pool.dtype} {','.join(kernels)}{' packed' if prepack else ''}")
+    times = _store.get(key)
+    if times is None:
         weights = _copies(pool, out_features, in_features)
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
         repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
         fns = {"aten": torch.nn.functional.linear, "onednn": packed_linear if prepack else onednn_linear,
                "native": native_linear}
         with torch.inference_mode():
-            _probe_cache[key] = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
-                                             packed() if k == "onednn" and prepack else weights, repeats)
-                                 for k in kernels}
-        _store()[_store_key(key)] = _probe_cache[key]
-        _store_dirty.append(key)
-        _probes[0] += 1
-    return _probe_cache[key]
+            times = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
+                                 packed() if k == "onednn" and prepack else weights, repeats)
+                     for k in kernels}
+        _store.put(key, times)
+    return times
 
 
-# Probe verdicts persist in $CONTBATCH_CACHE, per machine (CPU model and instruction set, torch,
-# our kernels' build): a later process routes the same way without probing (2-7 s of every
-# start on the default model), and so rounds the same way: two runs of one job give the same
-# tokens. Delete the file (its path is in the start-up line) to probe again.
-_store_data: dict[str, dict[str, dict[str, float]]] = {}
-_store_hits: list[tuple] = []
-_store_dirty: list[tuple] = []
-_probes = [0]  # products timed in this process
-
-
-def _store_key(key: tuple) -> str:
-    out_features, in_features, rows, threads, numel, dtype, kernels, prepack = key
-    return (f"{out_features}x{in_features} rows={rows} threads={threads} pool={numel} {dtype} "
-            f"{','.join(kernels)}{' packed' if prepack else ''}")
-
-
-def store_path():
-    from ..models import cache_dir
-
-    cpu = native._cpu_flags()
+@functools.cache
+def _machine() -> str:
+    """The probe file's name: our kernels' build key (sources, torch, CPU flags) and the CPU model."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu += next((line for line in f if line.startswith("model name")), "")
+            model = next((line for line in f if line.startswith("model name")), "")
     except OSError:
-        pass
-    machine = hashlib.sha256(f"{cpu}|{torch.__version__}|{native.build_key()}".encode()).hexdigest()[:16]
-    return cache_dir() / "linear_probe" / f"{machine}.json"
+        model = ""
+    return hashlib.sha256(f"{native.build_key()}|{model}".encode()).hexdigest()[:16]
 
 
-def _store() -> dict[str, dict[str, float]]:
-    if not _store_data:
-        _store_data[""] = {}  # loaded (an empty or unreadable file probes as before)
+@dataclass
+class ProbeStore:
+    """Probe timings by product, for this process and persisted in $CONTBATCH_CACHE per machine:
+    a later process routes the same way without probing (2-7 s of every start on the default
+    model), and so rounds the same way: two runs of one job give the same tokens. Delete the
+    file (its path is in the start-up line) to probe again. Read on first use."""
+
+    path: Path | None = None
+    times: dict[str, dict[str, float]] = field(default_factory=dict)
+    from_file: set[str] = field(default_factory=set)
+    hits: int = 0  # verdicts taken from the file in this process
+    probed: int = 0  # products timed in this process
+    unsaved: bool = False
+
+    def get(self, key: str) -> dict[str, float] | None:
+        if self.path is None:
+            from ..models import cache_dir
+
+            self.path = cache_dir() / "linear_probe" / f"{_machine()}.json"
+            loaded = self._read()  # an absent, empty or damaged file probes as before
+            self.times, self.from_file = {**loaded, **self.times}, set(loaded)
+        self.hits += key in self.from_file
+        return self.times.get(key)
+
+    def put(self, key: str, times: dict[str, float]) -> None:
+        self.times[key] = times
+        self.probed += 1
+        self.unsaved = True
+
+    def save(self) -> None:
+        """Write this process's timings next to those already in the file (atomically: managers
+        of two processes may save at once)."""
+        if not self.unsaved or self.path is None:
+            return
+        self.unsaved = False
         try:
-            _store_data[""] = json.loads(store_path().read_text())
-        except (OSError, ValueError):
-            pass
-    return _store_data[""]
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**self._read(), **self.times}, indent=0, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only cache: probe again next time
+            logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
 
-
-def _save_store() -> None:
-    """Write the verdicts probed in this process next to those already on disk (atomically:
-    managers of two processes may save at once)."""
-    if not _store_dirty:
-        return
-    _store_dirty.clear()
-    path = store_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _read(self) -> dict[str, dict[str, float]]:
         try:
-            on_disk = json.loads(path.read_text())
+            loaded = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            on_disk = {}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**on_disk, **_store()}, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as exc:  # a read-only cache: probe again next time
-        logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+
+_store = ProbeStore()
 
 
 def _probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> torch.Tensor:
@@ -362,7 +365,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         return LinearPlan(kernel, routes, f"{kernel} for all {len(shapes)} weight shapes (as asked{above})"
                           + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
-    hits, probed = len(_store_hits), _probes[0]
+    hits, probed = _store.hits, _store.probed
     chosen: dict[Shape, list[str]] = {}
     gains: list[list[float]] = [[] for _ in PROBE_ROWS]
     for name in sorted({s[2] for s in shapes}):
@@ -387,11 +390,11 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         counts = {k: sum(v[regime] == k for v in chosen.values()) for k in KERNELS[1:]}
         parts.append(f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
                      + f" of {len(shapes)} shapes (aten/best time {min(gains[regime]):.2f}-{max(gains[regime]):.2f}x)")
-    _save_store()
+    _store.save()
     how = f"probed in {time.perf_counter() - start:.2f} s"
-    if len(_store_hits) > hits:
-        how = f"{how}, other verdicts" if _probes[0] > probed else "probe verdicts"
-        how += f" reused from {store_path()} (delete it to probe again)"
+    if _store.hits > hits:
+        how = f"{how}, other verdicts" if _store.probed > probed else "probe verdicts"
+        how += f" reused from {_store.path} (delete it to probe again)"
     summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x"
     return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
 
