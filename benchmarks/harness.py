@@ -372,7 +372,9 @@ def matmul_rate(dtype, n: int = 2048, seconds: float = 1.0) -> float:
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     kernels = [lambda: a @ b]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    from contbatch.engine.cpu_linear import onednn_available
+
+    if onednn_available(dtype):  # not every CPU runs oneDNN's bfloat16 linear (AVX2-only EPYCs do not)
         bt = b.t().contiguous()
         kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], ""))
     best = math.inf

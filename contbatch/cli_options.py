@@ -22,9 +22,10 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (started here, one per rank; gloo on the CPU, NCCL on "
                         "CUDA); N must divide the model's KV heads")
-    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native"], default="auto",
-                   help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN and our few-row C++ "
-                        "kernel on the model's shapes at start-up and takes the fastest per shape and row count")
+    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native", "upcast"], default="auto",
+                   help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN, our few-row C++ "
+                        "kernel and (bfloat16) a float32 product on the model's shapes at start-up and takes the "
+                        "fastest per shape and row count")
     p.add_argument("--cpu-linear-prepack", action=on_off, default=True,
                    help="layers on oneDNN keep a prepacked copy of their weight (1.2-1.5x faster at decode batch "
                         "sizes, same results) where the copies fit in a quarter of the available RAM")

@@ -144,8 +144,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
-        if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native"):
-            raise ValueError("cpu_linear_kernel must be 'auto', 'aten', 'onednn' or 'native', "
+        if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native", "upcast"):
+            raise ValueError("cpu_linear_kernel must be 'auto', 'aten', 'onednn', 'native' or 'upcast', "
                              f"got {self.cpu_linear_kernel!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")

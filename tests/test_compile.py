@@ -211,3 +211,31 @@ def test_layers_of_too_many_kinds_are_not_regions():
     assert compile_mod.mark_layer_regions(mixed) == 0
     assert all("forward" not in layer.__dict__ for layer in mixed.model.layers)
     assert not any("_contbatch_layer" in m.__dict__ for m in mixed.modules())  # the index stays a constant
+
+
+def test_compiled_bfloat16_step_calls_the_upcast_linear():
+    """bfloat16 layers routed to the float32 product (`upcast`, for CPUs without a bfloat16
+    GEMM) are one opaque op each in a compiled step, and the step's tokens are the eager ones."""
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    targets: list[str] = []
+
+    def recording(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    traced = CompileConfig(backend=recording, fullgraph=True, dynamic=True)
+    prompts = random_prompts(4, 2, 30, seed=9)
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    outs = {}
+    for name, compile_config in (("eager", None), ("compiled", traced)):
+        config = ContinuousBatchingConfig(block_size=4, decode_compile_config=compile_config,
+                                          varlen_compile_config=compile_config, cpu_linear_kernel="upcast")
+        with continuous_batching(model, gc, config) as m:
+            assert "upcast for 5 of 5 weight shapes" in m.resolved_config.cpu_linear.summary
+            outs[name] = [m.get_result(rid, timeout=600).generated_tokens for rid in m.add_requests(prompts)]
+    assert outs["compiled"] == outs["eager"]
+    assert any("upcast_linear" in t for t in targets), "the compiled step does not call the upcast linear"
+    # float32 layers have nothing to upcast: the forced kernel leaves them on aten, and says so.
+    plan = ContinuousBatchingManager(make_tiny_model("llama"), config=ContinuousBatchingConfig(
+        cpu_linear_kernel="upcast")).resolved_config.cpu_linear
+    assert not plan.routes_anything and "upcast is not available here" in plan.summary

@@ -200,3 +200,66 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     third = cpu_linear.plan_linear(llama_model)
     assert "probed in" in third.summary and store.probed > 0
     assert json.loads(path.read_text())  # written again, whole
+
+
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_bfloat16_model_runs_where_onednn_has_no_bfloat16(kernel, monkeypatch):
+    """On an AVX2-only CPU oneDNN's bfloat16 linear raises on every call; a bfloat16 model must
+    still run there, on the other kernels, and the plan must say why (here simulated, so the
+    test means the same on every machine)."""
+    real = cpu_linear.onednn_available
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16 and real(dtype))
+
+    def refusing(kernel):
+        def call(x, weight, bias):
+            assert x.dtype != torch.bfloat16, "a bfloat16 product reached oneDNN"
+            return kernel(x, weight, bias)
+        return call
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", refusing(cpu_linear.onednn_linear))
+    monkeypatch.setattr(cpu_linear, "packed_linear", refusing(cpu_linear.packed_linear))
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    prompts = random_prompts(4, 3, 30, seed=2)
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=64, cpu_linear_kernel=kernel)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(model, gc, config)
+    plan = manager.resolved_config.cpu_linear
+    assert "oneDNN's linear does not run in bfloat16 here" in plan.summary
+    assert "onednn" not in {k for _, route in plan.routes for k in route}
+    manager.start()
+    try:
+        results = [manager.get_result(manager.add_request(p), timeout=120) for p in prompts]
+    finally:
+        manager.stop()
+    assert all(len(r.generated_tokens) == 6 and r.error is None for r in results)
+
+
+def test_onednn_availability_is_tried_per_dtype():
+    """The check runs a product at that dtype: a float32-only answer must not route bfloat16."""
+    assert cpu_linear.onednn_available(torch.float32)
+    x, w = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(8, 16, dtype=torch.bfloat16)
+    try:
+        cpu_linear.onednn_linear(x, w, None)
+        runs = True
+    except RuntimeError:
+        runs = False
+    assert cpu_linear.onednn_available(torch.bfloat16) == runs
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_upcast_linear_is_the_float32_product_rounded_once(rows, monkeypatch):
+    """bfloat16 inputs, float32 products: equal to the float32 linear rounded to bfloat16, also
+    when the weight is converted a slice at a time (a tiny slice forces several, and a tail)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.rand(50, 24, generator=gen) - 0.5).bfloat16()
+    x = (torch.rand(rows, 24, generator=gen) - 0.5).bfloat16()
+    b = (torch.rand(50, generator=gen) - 0.5).bfloat16()
+    for bias in (None, b):
+        want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+        whole = cpu_linear.upcast_linear(x[None], w, bias)
+        monkeypatch.setattr(cpu_linear, "UPCAST_SLICE", 24 * 16)  # slices of 16 output features
+        sliced = cpu_linear.upcast_linear(x[None], w, bias)
+        monkeypatch.undo()
+        assert whole.shape == sliced.shape == (1, rows, 50) and whole.dtype == torch.bfloat16
+        torch.testing.assert_close(whole[0], want, atol=0, rtol=0)
+        torch.testing.assert_close(sliced[0], want, atol=0, rtol=0)

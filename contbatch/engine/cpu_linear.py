@@ -7,7 +7,12 @@ Three kernels compute `nn.Linear` on the CPU:
   ~330 through oneDNN;
 - `native`: our C++ kernel for one to seven rows (`csrc/small_linear_cpu.cpp`). Those products
   are bound by reading the weight, and the GEMM kernels read it slowly: one row of 576x1536
-  streamed its weight at ~18 GB/s through MKL, ~27 through oneDNN and ~46 through ours.
+  streamed its weight at ~18 GB/s through MKL, ~27 through oneDNN and ~46 through ours;
+- `upcast` (bfloat16 only): the product in float32, the weight converted a slice at a time.
+  CPUs without AVX-512 or AVX-NE-CONVERT have no fast bfloat16 GEMM: on an AVX2-only EPYC,
+  PyTorch's bfloat16 linear ran at ~14 GFLOP/s at every row count (float32: 60-110) and
+  oneDNN's does not run at all; converting first ran 64 rows ~3x and 512 rows ~5x faster.
+  bfloat16 products are exact in float32, so this rounds once, at the end.
 
 oneDNN reads its weight in a blocked layout it reorders the plain weight into on every call;
 with a copy of the weight kept in that layout (prepacked, as Inductor's freezing does) the same
@@ -57,7 +62,7 @@ import torch
 from .. import native
 from ..attention import ops
 
-KERNELS = ("auto", "aten", "onednn", "native")
+KERNELS = ("auto", "aten", "onednn", "native", "upcast")
 DTYPES = (torch.float32, torch.bfloat16)
 # Three regimes, each with its own verdict per weight shape: one row, a few rows (probed at 4:
 # MKL's sgemm ran 2-4x slower at 2-8 rows than at one on the EPYC), and a batch (probed at 64).
@@ -74,8 +79,23 @@ PACK_ROWS = 64
 logger = logging.getLogger("contbatch")
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear runs at `dtype` here, tried on a small product and a packing.
+    A build can have oneDNN and still lack a dtype: on an AVX2-only EPYC its bfloat16 linear
+    raised "could not create a primitive descriptor" (it wants AVX-512 or AVX-NE-CONVERT), so
+    routing a bfloat16 model there crashed the first step."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    x, w = torch.ones(2, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
+    try:
+        with torch.inference_mode():
+            onednn_linear(x, w, None)
+            packed_linear(x, pack(w), None)
+    except RuntimeError as exc:
+        logger.debug("oneDNN's %s linear does not run here: %s", dtype, exc)
+        return False
+    return True
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -124,12 +144,38 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+UPCAST_SLICE = 1 << 21  # weight elements converted at a time: 8 MiB of float32, in L3 beside the rows
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bfloat16 product in float32, on oneDNN where it runs (MKL's float32 is slower on the
+    EPYC). A large weight is converted a slice of output features at a time: converting the
+    whole 49152x576 LM head first spent more in the fresh 113 MB buffer than in the product."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    matmul = onednn_linear if onednn_available(torch.float32) else torch.nn.functional.linear
+    step = max(1, UPCAST_SLICE // weight.shape[1])
+    if weight.shape[0] <= step:
+        out = matmul(rows, weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = rows.new_empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+        for start in range(0, weight.shape[0], step):
+            part = slice(start, start + step)
+            out[:, part] = matmul(rows, weight[part].float(), None if bias is None else bias[part].float())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("contbatch::upcast_linear", mutates_args=())
+def _upcast_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return upcast_linear(x, weight, bias)
+
+
 @torch.library.custom_op("contbatch::onednn_linear", mutates_args=())
 def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return onednn_linear(x, weight, bias)
 
 
 @_onednn_linear_op.register_fake
+@_upcast_linear_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -198,7 +244,7 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
         repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
         fns = {"aten": torch.nn.functional.linear, "onednn": packed_linear if prepack else onednn_linear,
-               "native": native_linear}
+               "native": native_linear, "upcast": upcast_linear}
         with torch.inference_mode():
             times = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
                                  packed() if k == "onednn" and prepack else weights, repeats)
@@ -352,18 +398,26 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
     if kernel == "aten" or not shapes:
         why = "as asked" if kernel == "aten" else "no float32 or bfloat16 CPU nn.Linear layers"
         return LinearPlan(kernel, (), f"aten ({why})")
-    available = ["aten"] + ["onednn"] * onednn_available() + ["native"] * native.load()[0]
-    if "native" in available:
+    has_native = native.load()[0]
+    if has_native:
         _register_native_fake()
-    prepack, why = _prepack_verdict(layers, prepack, available)
+    available = {name: ["aten"] + ["onednn"] * onednn_available(getattr(torch, name)) + ["native"] * has_native
+                 + ["upcast"] * (name == "bfloat16") for name in sorted({s[2] for s in shapes})}
+    prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
+    missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
+    no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
     if kernel != "auto":
-        if kernel not in available:
-            return LinearPlan(kernel, (), f"aten ({kernel} is not available here)")
-        batch = kernel if kernel == "onednn" else "onednn" if "onednn" in available else "aten"
-        routes = tuple((s, (kernel, kernel, batch)) for s in shapes)
-        above = f"; {batch} above {NATIVE_MAX_ROWS} rows" if kernel == "native" else ""
-        return LinearPlan(kernel, routes, f"{kernel} for all {len(shapes)} weight shapes (as asked{above})"
-                          + _packed_note(model, routes, prepack, why), prepack)
+        routes = []
+        for s in shapes:
+            if kernel in available[s[2]]:
+                batch = kernel if kernel != "native" else "onednn" if "onednn" in available[s[2]] else "aten"
+                routes.append((s, (kernel, kernel, batch)))
+        if not routes:
+            return LinearPlan(kernel, (), f"aten ({kernel} is not available here{no_onednn})")
+        above = f"; oneDNN or aten above {NATIVE_MAX_ROWS} rows" if kernel == "native" else ""
+        left = f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)" * (len(routes) < len(shapes))
+        return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
+                          f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
     hits, probed = _store.hits, _store.probed
     chosen: dict[Shape, list[str]] = {}
@@ -377,7 +431,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
             chosen[shape] = []
             packed = functools.cache(lambda s=shape: [pack(w) for w in _copies(pool, s[0], s[1])])
             for regime, rows in enumerate(PROBE_ROWS):
-                kernels = tuple(k for k in available if k != "native" or rows <= NATIVE_MAX_ROWS)
+                kernels = tuple(k for k in available[name] if k != "native" or rows <= NATIVE_MAX_ROWS)
                 times = _probe(shape[0], shape[1], rows, pool, kernels, packed if prepack and rows > 1 else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
@@ -395,7 +449,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
     if _store.hits > hits:
         how = f"{how}, other verdicts" if _store.probed > probed else "probe verdicts"
         how += f" reused from {_store.path} (delete it to probe again)"
-    summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x"
+    summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x{no_onednn}"
     return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
 
 
@@ -417,6 +471,10 @@ def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
             return onednn_linear(input, self.weight, self.bias)
         if kernel == "native":  # traceable as is: its C++ op has a fake
             return native_linear(input, self.weight, self.bias)
+        if kernel == "upcast":
+            if compiling:
+                return torch.ops.contbatch.upcast_linear(input, self.weight, self.bias)
+            return upcast_linear(input, self.weight, self.bias)
     return torch.nn.Linear.forward(self, input)
 
 
