@@ -168,9 +168,9 @@ def test_probe_streams_weights_from_memory():
     """The probe times each kernel over many copies of the weight (as a forward reads it from
     memory), not one hot copy; the pool is as large as the model's linears, within bounds."""
     pool = cpu_linear._probe_pool(model_bytes=4 << 20, largest=1000, dtype=torch.float32)
-    assert pool.numel() == (4 << 20) // 4
-    assert cpu_linear._probe_pool(1 << 40, 10, torch.float32).numel() == cpu_linear.POOL_BYTES // 4
-    assert cpu_linear._probe_pool(100, 10_000, torch.bfloat16).numel() == 10_000
+    assert pool.numel == (4 << 20) // 4 and pool.tensor.numel() == pool.numel
+    assert cpu_linear._probe_pool(1 << 40, 10, torch.float32).numel == cpu_linear.POOL_BYTES // 4
+    assert cpu_linear._probe_pool(100, 10_000, torch.bfloat16).tensor.numel() == 10_000
     times = cpu_linear._probe(64, 32, 1, pool, ("aten", "onednn"))
     assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())
 
@@ -192,7 +192,13 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     assert "probed in" in first.summary and path.is_file() and store.probed > 0
     assert str(tmp_path) in str(path)
     store = new_process()
-    second = cpu_linear.plan_linear(llama_model)
+
+    def no_draw(pool):
+        raise AssertionError("a pool was drawn with every verdict in the file")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_linear.ProbePool, "draw", no_draw)
+        second = cpu_linear.plan_linear(llama_model)
     assert store.probed == 0 and store.path == path and second.routes == first.routes
     assert f"probe verdicts reused from {path}" in second.summary
     path.write_text("{not json")

@@ -122,10 +122,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   return y;
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_linear: x [R, I], weight [O, I]");
+// x is [..., I] like nn.Linear's input (a step's [1, R, I]): flattened and shaped back here, where
+// it costs ~0.2 us, rather than in the Python wrapper, where the reshape, contiguous and view
+// cost ~10 us on each of a lone request's ~210 linears per step.
+at::Tensor small_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1),
+              "small_linear: x [..., I], weight [O, I]");
+  const at::Tensor x = input.reshape({-1, input.size(-1)}).contiguous();
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear takes 1 to ", kMaxRows, " rows, got ", x.size(0));
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_linear: x and weight must be contiguous");
+  TORCH_CHECK(weight.is_contiguous(), "small_linear: the weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_linear: x and weight must share a dtype");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->numel() == weight.size(0),
@@ -133,7 +138,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   }
   at::Tensor y;
   float_or_bf16(weight.scalar_type(), "small_linear", [&](auto tag) { y = run<decltype(tag)>(x, weight, bias); });
-  return y;
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = weight.size(0);
+  return y.view(shape);
 }
 
 }  // namespace

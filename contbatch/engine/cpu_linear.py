@@ -140,8 +140,7 @@ class PackedWeight:
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.ops.contbatch_cpu.small_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.contbatch_cpu.small_linear(x, weight, bias)  # [..., in] -> [..., out], 1-7 rows
 
 
 UPCAST_SLICE = 1 << 21  # weight elements converted at a time: 8 MiB of float32, in L3 beside the rows
@@ -187,7 +186,7 @@ def _register_native_fake() -> None:
     """Shapes of our C++ `small_linear` for Dynamo, so a compiled step calls it directly (an
     extern kernel in Inductor's output) rather than through a Python custom op per layer."""
     if not _fake_registered:
-        torch.library.register_fake("contbatch_cpu::small_linear")(lambda x, w, b: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake("contbatch_cpu::small_linear")(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
         _fake_registered.append(True)
 
 
@@ -226,7 +225,7 @@ def _copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[tor
     return [pool[i * size:(i + 1) * size].view(out_features, in_features) for i in range(max(1, pool.numel() // size))]
 
 
-def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, kernels: tuple[str, ...],
+def _probe(out_features: int, in_features: int, rows: int, pool: ProbePool, kernels: tuple[str, ...],
            packed: Callable[[], list[torch.Tensor]] | None = None) -> dict[str, float]:
     """Best-of seconds per kernel for one product, cached per process, thread count and pool.
     Each timed call reads a different copy of the weight, cut from `pool`: a real forward
@@ -236,11 +235,11 @@ def _probe(out_features: int, in_features: int, rows: int, pool: torch.Tensor, k
     `packed`, where oneDNN runs on prepacked weights, gives the pool's copies packed (what will
     run), made once per shape for every row count probed."""
     prepack = packed is not None
-    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} pool={pool.numel()} "
+    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} pool={pool.numel} "
            f"{pool.dtype} {','.join(kernels)}{' packed' if prepack else ''}")
     times = _store.get(key)
     if times is None:
-        weights = _copies(pool, out_features, in_features)
+        weights = _copies(pool.tensor, out_features, in_features)
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
         repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
         fns = {"aten": torch.nn.functional.linear, "onednn": packed_linear if prepack else onednn_linear,
@@ -318,13 +317,29 @@ class ProbeStore:
 _store = ProbeStore()
 
 
-def _probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> torch.Tensor:
-    """Memory to cut weight copies from: as many bytes as the model's linears of that dtype (so
-    a model small enough to stay in the cache is probed in the cache), at most POOL_BYTES, and
-    at least one copy of the largest weight."""
+@dataclass(eq=False)
+class ProbePool:
+    """Memory to cut weight copies from, drawn only when a product is actually timed: with
+    every verdict read from the probe file, drawing up to POOL_BYTES of random values was most
+    of a start's linear planning (~0.3 of 0.33 s on the default model)."""
+
+    numel: int
+    dtype: torch.dtype
+
+    def draw(self) -> torch.Tensor:
+        return (torch.rand(self.numel, generator=torch.Generator().manual_seed(0)) - 0.5).to(self.dtype)
+
+    @functools.cached_property
+    def tensor(self) -> torch.Tensor:
+        return self.draw()
+
+
+def _probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> ProbePool:
+    """As many bytes as the model's linears of that dtype (so a model small enough to stay in
+    the cache is probed in the cache), at most POOL_BYTES, and at least one copy of the largest
+    weight."""
     size = torch.tensor([], dtype=dtype).element_size()
-    numel = max(min(model_bytes, POOL_BYTES) // size, largest)
-    return (torch.rand(numel, generator=torch.Generator().manual_seed(0)) - 0.5).to(dtype)
+    return ProbePool(max(min(model_bytes, POOL_BYTES) // size, largest), dtype)
 
 
 Shape = tuple[int, int, str]  # (out_features, in_features, weight dtype name): plain JSON in resolved_config
@@ -429,7 +444,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         pool = _probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
-            packed = functools.cache(lambda s=shape: [pack(w) for w in _copies(pool, s[0], s[1])])
+            packed = functools.cache(lambda s=shape: [pack(w) for w in _copies(pool.tensor, s[0], s[1])])
             for regime, rows in enumerate(PROBE_ROWS):
                 kernels = tuple(k for k in available[name] if k != "native" or rows <= NATIVE_MAX_ROWS)
                 times = _probe(shape[0], shape[1], rows, pool, kernels, packed if prepack and rows > 1 else None)
