@@ -366,21 +366,29 @@ def worst_check(checks: Sequence[dict]) -> dict:
 
 def matmul_rate(dtype, n: int = 2048, seconds: float = 1.0) -> float:
     """GFLOP/s of a large square [n x n] @ [n x n] matmul at `dtype`: the best of a timed loop,
-    and the better of PyTorch's own kernel and oneDNN's (in float32 on AMD CPUs MKL, which
-    `@` calls, runs at about half oneDNN's rate: the machine's ceiling is the faster one)."""
+    and the best of PyTorch's own kernel, oneDNN's and (bfloat16) the product in float32: the
+    machine's ceiling is the fastest (in float32 on AMD CPUs MKL, which `@` calls, runs at about
+    half oneDNN's rate). A kernel whose first call outlasts `seconds` is not timed further
+    (PyTorch's bfloat16 `@` took ~60 s at 2048^3 on an AVX2-only EPYC)."""
     import torch
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     kernels = [lambda: a @ b]
     from contbatch.engine.cpu_linear import onednn_available
 
+    if dtype == torch.bfloat16:  # without a bfloat16 GEMM (AVX2-only EPYC: ~0.3 GFLOP/s here), float32 is the
+        kernels.append(lambda: a.float() @ b.float())  # fastest bfloat16 product, as the engine's upcast kernel runs it
     if onednn_available(dtype):  # not every CPU runs oneDNN's bfloat16 linear (AVX2-only EPYCs do not)
         bt = b.t().contiguous()
         kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], ""))
     best = math.inf
     for kernel in kernels:
-        for _ in range(2):
-            kernel()
+        t = time.perf_counter()
+        kernel()
+        if time.perf_counter() - t > seconds:
+            best = min(best, time.perf_counter() - t)
+            continue
+        kernel()
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             t = time.perf_counter()

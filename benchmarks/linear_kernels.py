@@ -3,7 +3,9 @@
 A decode step of one to seven requests is bound by reading every weight once. For each of
 the default model's weight shapes (or `--shapes`), each row count and each dtype, this times
 PyTorch's `F.linear` (MKL's sgemm in float32, oneDNN in bfloat16), oneDNN's
-`_linear_pointwise` and our `contbatch_cpu::small_linear`, each call on a different copy of
+`_linear_pointwise` (where it runs the dtype: not bfloat16 on AVX2-only CPUs), our
+`contbatch_cpu::small_linear` (1-7 rows) and, in bfloat16, the float32 product `upcast` (for
+CPUs without a bfloat16 GEMM; try `--rows 1,8,64,512`), each call on a different copy of
 the weight cut from `--pool-mb` of memory (as a forward reads them: timing one weight over and
 over measures the cache instead, and chose the wrong kernel), best of `--repeats` passes, and
 prints GB/s of weight read, with the largest error against float64.
@@ -19,7 +21,7 @@ import time
 import torch
 
 from contbatch import native
-from contbatch.engine.cpu_linear import native_linear, onednn_linear
+from contbatch.engine.cpu_linear import NATIVE_MAX_ROWS, native_linear, onednn_available, onednn_linear, upcast_linear
 
 DEFAULT_SHAPES = "1536x576,576x1536,576x576,192x576,49152x576"  # SmolLM2-135M: MLP, attention, LM head
 
@@ -45,9 +47,13 @@ def main() -> None:
     args = p.parse_args()
     ok, how = native.load()
     print(f"threads {torch.get_num_threads()}; C++ kernels: {how}")
-    kernels = {"aten": lambda x, w, b: torch.nn.functional.linear(x, w, b), "onednn": onednn_linear}
-    if ok:
-        kernels["ours"] = native_linear
+    kernels = {"aten": lambda x, w, b: torch.nn.functional.linear(x, w, b), "onednn": onednn_linear,
+               "ours": native_linear, "upcast": upcast_linear}
+
+    def runs(name: str, dtype: torch.dtype, rows: int) -> bool:
+        return {"aten": True, "onednn": onednn_available(dtype), "ours": ok and rows <= NATIVE_MAX_ROWS,
+                "upcast": dtype == torch.bfloat16}[name]
+
     print("| dtype | rows | weight | " + " | ".join(f"{k} GB/s" for k in kernels) + " | max error vs float64 (ours) |")
     print("|---|---:|---|" + "---:|" * len(kernels) + "---:|")
     with torch.inference_mode():
@@ -61,12 +67,13 @@ def main() -> None:
                     weights = [pool[i * out_f * in_f:(i + 1) * out_f * in_f].view(out_f, in_f) for i in range(copies)]
                     x = (torch.rand(rows, in_f) - 0.5).to(dtype)
                     gb = out_f * in_f * size / 1e9
-                    rates = [gb / best_seconds(fn, weights, x, args.repeats) for fn in kernels.values()]
+                    rates = [gb / best_seconds(fn, weights, x, args.repeats) if runs(k, dtype, rows) else None
+                             for k, fn in kernels.items()]
                     err = "-"
-                    if ok:
+                    if runs("ours", dtype, rows):
                         exact = torch.nn.functional.linear(x.double(), weights[0].double())
                         err = f"{(native_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
-                    cells = " | ".join(f"{r:.1f}" for r in rates)
+                    cells = " | ".join("-" if r is None else f"{r:.1f}" for r in rates)
                     print(f"| {str(dtype)[6:]} | {rows} | {shape} | {cells} | {err} |", flush=True)
                     del pool, weights
 

@@ -129,9 +129,12 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     assert "4 rows:" in auto.summary and "64 rows:" in auto.summary
     assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
-    half = make_tiny_model("llama").to(torch.float16)
+    double = make_tiny_model("llama").to(torch.float64)
+    plan = ContinuousBatchingManager(double, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
+    assert not plan.routes_anything and "no float32, bfloat16 or float16" in plan.summary
+    half = make_tiny_model("llama").to(torch.float16)  # aten, oneDNN where it runs float16, or upcast; never ours
     plan = ContinuousBatchingManager(half, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
-    assert not plan.routes_anything and "no float32 or bfloat16" in plan.summary
+    assert "native" not in {k for _, route in plan.routes for k in route}
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
@@ -252,20 +255,21 @@ def test_onednn_availability_is_tried_per_dtype():
     assert cpu_linear.onednn_available(torch.bfloat16) == runs
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 9, 64])
-def test_upcast_linear_is_the_float32_product_rounded_once(rows, monkeypatch):
-    """bfloat16 inputs, float32 products: equal to the float32 linear rounded to bfloat16, also
+def test_upcast_linear_is_the_float32_product_rounded_once(rows, dtype, monkeypatch):
+    """16-bit inputs, float32 products: equal to the float32 linear rounded to the dtype, also
     when the weight is converted a slice at a time (a tiny slice forces several, and a tail)."""
     gen = torch.Generator().manual_seed(rows)
-    w = (torch.rand(50, 24, generator=gen) - 0.5).bfloat16()
-    x = (torch.rand(rows, 24, generator=gen) - 0.5).bfloat16()
-    b = (torch.rand(50, generator=gen) - 0.5).bfloat16()
+    w = (torch.rand(50, 24, generator=gen) - 0.5).to(dtype)
+    x = (torch.rand(rows, 24, generator=gen) - 0.5).to(dtype)
+    b = (torch.rand(50, generator=gen) - 0.5).to(dtype)
     for bias in (None, b):
-        want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+        want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
         whole = cpu_linear.upcast_linear(x[None], w, bias)
         monkeypatch.setattr(cpu_linear, "UPCAST_SLICE", 24 * 16)  # slices of 16 output features
         sliced = cpu_linear.upcast_linear(x[None], w, bias)
         monkeypatch.undo()
-        assert whole.shape == sliced.shape == (1, rows, 50) and whole.dtype == torch.bfloat16
+        assert whole.shape == sliced.shape == (1, rows, 50) and whole.dtype == dtype
         torch.testing.assert_close(whole[0], want, atol=0, rtol=0)
         torch.testing.assert_close(sliced[0], want, atol=0, rtol=0)

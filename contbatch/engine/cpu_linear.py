@@ -8,11 +8,11 @@ Three kernels compute `nn.Linear` on the CPU:
 - `native`: our C++ kernel for one to seven rows (`csrc/small_linear_cpu.cpp`). Those products
   are bound by reading the weight, and the GEMM kernels read it slowly: one row of 576x1536
   streamed its weight at ~18 GB/s through MKL, ~27 through oneDNN and ~46 through ours;
-- `upcast` (bfloat16 only): the product in float32, the weight converted a slice at a time.
-  CPUs without AVX-512 or AVX-NE-CONVERT have no fast bfloat16 GEMM: on an AVX2-only EPYC,
-  PyTorch's bfloat16 linear ran at ~14 GFLOP/s at every row count (float32: 60-110) and
-  oneDNN's does not run at all; converting first ran 64 rows ~3x and 512 rows ~5x faster.
-  bfloat16 products are exact in float32, so this rounds once, at the end.
+- `upcast` (bfloat16 and float16): the product in float32, the weight converted a slice at a
+  time. CPUs without AVX-512 or AVX-NE-CONVERT have no fast 16-bit GEMM: on an AVX2-only
+  EPYC, PyTorch's bfloat16 linear ran at ~14 GFLOP/s at every row count (float32: 60-110),
+  float16 about as slowly, and oneDNN's runs neither; converting first ran 64 rows 4-6x faster.
+  16-bit products are exact in float32, so this rounds once, at the end.
 
 oneDNN reads its weight in a blocked layout it reorders the plain weight into on every call;
 with a copy of the weight kept in that layout (prepacked, as Inductor's freezing does) the same
@@ -36,7 +36,8 @@ routed layers call the kernels as opaque ops (ours directly, with a fake for sha
 through `contbatch::onednn_linear`: Inductor's own lowering of the oneDNN linear
 wants weights prepacked by freezing, which would make them constants and `update_weights`
 impossible; without the routing a compiled step ran MKL's sgemm and lost to the eager step).
-Only plain `nn.Linear` modules with float32 or bfloat16 CPU weights are touched, and only
+Only plain `nn.Linear` modules with float32, bfloat16 or float16 CPU weights are touched (float16
+on aten, oneDNN or `upcast`: our kernel reads 32- and 16-bit brain floats only), and only
 those with no forward of their own already patched in (hooks, adapters). The change is
 rounding only (a different summation order, float32 accumulation); greedy tokens are checked
 against `model.generate` in the test suite like every kernel choice.
@@ -63,7 +64,8 @@ from .. import native
 from ..attention import ops
 
 KERNELS = ("auto", "aten", "onednn", "native", "upcast")
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF = ("bfloat16", "float16")  # where `upcast` is a kernel
 # Three regimes, each with its own verdict per weight shape: one row, a few rows (probed at 4:
 # MKL's sgemm ran 2-4x slower at 2-8 rows than at one on the EPYC), and a batch (probed at 64).
 PROBE_ROWS = (1, 4, 64)
@@ -147,8 +149,8 @@ UPCAST_SLICE = 1 << 21  # weight elements converted at a time: 8 MiB of float32,
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A bfloat16 product in float32, on oneDNN where it runs (MKL's float32 is slower on the
-    EPYC). A large weight is converted a slice of output features at a time: converting the
+    """A bfloat16 or float16 product in float32, on oneDNN where it runs (MKL's float32 is
+    slower on the EPYC). A large weight is converted a slice of output features at a time: converting the
     whole 49152x576 LM head first spent more in the fresh 113 MB buffer than in the product."""
     rows = x.reshape(-1, x.shape[-1]).float()
     matmul = onednn_linear if onednn_available(torch.float32) else torch.nn.functional.linear
@@ -411,13 +413,14 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
     layers = _candidates(model)
     shapes = sorted({_shape(m) for m in layers})
     if kernel == "aten" or not shapes:
-        why = "as asked" if kernel == "aten" else "no float32 or bfloat16 CPU nn.Linear layers"
+        why = "as asked" if kernel == "aten" else "no float32, bfloat16 or float16 CPU nn.Linear layers"
         return LinearPlan(kernel, (), f"aten ({why})")
     has_native = native.load()[0]
     if has_native:
         _register_native_fake()
-    available = {name: ["aten"] + ["onednn"] * onednn_available(getattr(torch, name)) + ["native"] * has_native
-                 + ["upcast"] * (name == "bfloat16") for name in sorted({s[2] for s in shapes})}
+    available = {name: ["aten"] + ["onednn"] * onednn_available(getattr(torch, name))
+                 + ["native"] * (has_native and name != "float16") + ["upcast"] * (name in HALF)
+                 for name in sorted({s[2] for s in shapes})}
     prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
     missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
     no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
