@@ -4,11 +4,12 @@ A decode step of one to seven requests is bound by reading every weight once. Fo
 the default model's weight shapes (or `--shapes`), each row count and each dtype, this times
 PyTorch's `F.linear` (MKL's sgemm in float32, oneDNN in bfloat16), oneDNN's
 `_linear_pointwise` (where it runs the dtype: not bfloat16 on AVX2-only CPUs), our
-`contbatch_cpu::small_linear` (1-7 rows) and, in bfloat16, the float32 product `upcast` (for
+`contbatch_cpu::small_linear` (1-7 rows) and, in bfloat16 and float16, the float32 product `upcast` (for
 CPUs without a bfloat16 GEMM; try `--rows 1,8,64,512`), each call on a different copy of
 the weight cut from `--pool-mb` of memory (as a forward reads them: timing one weight over and
 over measures the cache instead, and chose the wrong kernel), best of `--repeats` passes, and
-prints GB/s of weight read, with the largest error against float64.
+prints GB/s of weight read (at batch sizes, GB/s x rows x 1e9 / 2 is the FLOP rate), with the
+largest error of ours against float64.
 
     python benchmarks/linear_kernels.py [--rows 1,2,4,7] [--dtypes float32,bfloat16] [--pool-mb 256]
 """
@@ -51,8 +52,8 @@ def main() -> None:
                "ours": native_linear, "upcast": upcast_linear}
 
     def runs(name: str, dtype: torch.dtype, rows: int) -> bool:
-        return {"aten": True, "onednn": onednn_available(dtype), "ours": ok and rows <= NATIVE_MAX_ROWS,
-                "upcast": dtype == torch.bfloat16}[name]
+        return {"aten": True, "onednn": onednn_available(dtype), "ours": ok and rows <= NATIVE_MAX_ROWS and dtype != torch.float16,
+                "upcast": dtype in (torch.bfloat16, torch.float16)}[name]
 
     print("| dtype | rows | weight | " + " | ".join(f"{k} GB/s" for k in kernels) + " | max error vs float64 (ours) |")
     print("|---|---:|---|" + "---:|" * len(kernels) + "---:|")
@@ -73,7 +74,7 @@ def main() -> None:
                     if runs("ours", dtype, rows):
                         exact = torch.nn.functional.linear(x.double(), weights[0].double())
                         err = f"{(native_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
-                    cells = " | ".join("-" if r is None else f"{r:.1f}" for r in rates)
+                    cells = " | ".join("-" if r is None else f"{r:.1f}" if r >= 1 else f"{r:.3f}" for r in rates)
                     print(f"| {str(dtype)[6:]} | {rows} | {shape} | {cells} | {err} |", flush=True)
                     del pool, weights
 
