@@ -22,7 +22,8 @@ import time
 import torch
 
 from contbatch import native
-from contbatch.engine.cpu_linear import NATIVE_MAX_ROWS, native_linear, onednn_available, onednn_linear, upcast_linear
+from contbatch.engine.cpu_linear import (NATIVE_MAX_ROWS, native_linear, onednn_available, onednn_linear,
+                                         upcast_linear)
 
 DEFAULT_SHAPES = "1536x576,576x1536,576x576,192x576,49152x576"  # SmolLM2-135M: MLP, attention, LM head
 

@@ -72,8 +72,9 @@ class ContinuousBatchingConfig:
     default_compile_level: int | None = None  # None: 0, by measurement (see engine/compile.py)
     decode_compile_config: object | None = None
     varlen_compile_config: object | None = None
-    # CPU linear layers: "auto" times aten (MKL in float32), oneDNN and our few-row C++ kernel on
-    # the model's weight shapes at start-up and routes each to the fastest (see engine/cpu_linear.py).
+    # CPU linear layers: "auto" times aten (MKL in float32), oneDNN, our few-row C++ kernel and (16-bit
+    # weights) the float32 product on the model's weight shapes at start-up and routes each to the
+    # fastest (see engine/cpu_linear.py).
     cpu_linear_kernel: str = "auto"
     # Layers routed to oneDNN keep a prepacked (blocked) copy of their weight while the manager
     # runs: 1.2-1.5x faster at decode batch sizes, bit-identical results, repacked when a weight

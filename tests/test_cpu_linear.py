@@ -217,7 +217,8 @@ def test_bfloat16_model_runs_where_onednn_has_no_bfloat16(kernel, monkeypatch):
     still run there, on the other kernels, and the plan must say why (here simulated, so the
     test means the same on every machine)."""
     real = cpu_linear.onednn_available
-    monkeypatch.setattr(cpu_linear, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16 and real(dtype))
+    monkeypatch.setattr(cpu_linear, "onednn_available",
+                        lambda dtype=torch.float32: dtype != torch.bfloat16 and real(dtype))
 
     def refusing(kernel):
         def call(x, weight, bias):

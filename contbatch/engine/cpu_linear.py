@@ -150,8 +150,9 @@ UPCAST_SLICE = 1 << 21  # weight elements converted at a time: 8 MiB of float32,
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A bfloat16 or float16 product in float32, on oneDNN where it runs (MKL's float32 is
-    slower on the EPYC). A large weight is converted a slice of output features at a time: converting the
-    whole 49152x576 LM head first spent more in the fresh 113 MB buffer than in the product."""
+    slower on the EPYC). A large weight is converted a slice of output features at a time:
+    converting the whole 49152x576 LM head first spent more in the fresh 113 MB buffer than in
+    the product."""
     rows = x.reshape(-1, x.shape[-1]).float()
     matmul = onednn_linear if onednn_available(torch.float32) else torch.nn.functional.linear
     step = max(1, UPCAST_SLICE // weight.shape[1])
@@ -188,7 +189,8 @@ def _register_native_fake() -> None:
     """Shapes of our C++ `small_linear` for Dynamo, so a compiled step calls it directly (an
     extern kernel in Inductor's output) rather than through a Python custom op per layer."""
     if not _fake_registered:
-        torch.library.register_fake("contbatch_cpu::small_linear")(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
+        fake = torch.library.register_fake("contbatch_cpu::small_linear")
+        fake(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
         _fake_registered.append(True)
 
 
@@ -433,7 +435,8 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         if not routes:
             return LinearPlan(kernel, (), f"aten ({kernel} is not available here{no_onednn})")
         above = f"; oneDNN or aten above {NATIVE_MAX_ROWS} rows" if kernel == "native" else ""
-        left = f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)" * (len(routes) < len(shapes))
+        left = (f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)"
+                if len(routes) < len(shapes) else "")
         return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
                           f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
