@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import ATTENTION_BACKENDS
+from .config import ATTENTION_BACKENDS, CPU_LINEAR_KERNELS
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,10 +22,10 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (started here, one per rank; gloo on the CPU, NCCL on "
                         "CUDA); N must divide the model's KV heads")
-    p.add_argument("--cpu-linear-kernel", choices=["auto", "aten", "onednn", "native", "upcast"], default="auto",
+    p.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default="auto",
                    help="linear layers on the CPU: auto times aten (MKL in float32), oneDNN, our few-row C++ "
-                        "kernel and (bfloat16) a float32 product on the model's shapes at start-up and takes the "
-                        "fastest per shape and row count")
+                        "kernel and (bfloat16, float16) a float32 product on the model's shapes at start-up and "
+                        "takes the fastest per shape and row count")
     p.add_argument("--cpu-linear-prepack", action=on_off, default=True,
                    help="layers on oneDNN keep a prepacked copy of their weight (1.2-1.5x faster at decode batch "
                         "sizes, same results) where the copies fit in a quarter of the available RAM")

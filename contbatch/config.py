@@ -22,6 +22,7 @@ SCHEDULER_TYPES = ("fifo", "prefill_first")
 # "auto" picks flash-attn, else Triton on CUDA, and "torch" on the CPU (see attention/backend.py).
 # "reference" runs the GPU batch layout with PyTorch attention: for testing on any device.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash", "reference")
+CPU_LINEAR_KERNELS = ("auto", "aten", "onednn", "native", "upcast")  # see engine/cpu_linear.py
 DEFAULT_Q_PADDING_INTERVAL = 64
 DEFAULT_KV_PADDING_INTERVAL = 256
 DEFAULT_MAX_CACHED_GRAPHS = 32
@@ -145,9 +146,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
-        if self.cpu_linear_kernel not in ("auto", "aten", "onednn", "native", "upcast"):
-            raise ValueError("cpu_linear_kernel must be 'auto', 'aten', 'onednn', 'native' or 'upcast', "
-                             f"got {self.cpu_linear_kernel!r}")
+        if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:
+            raise ValueError(f"cpu_linear_kernel must be one of {CPU_LINEAR_KERNELS}, got {self.cpu_linear_kernel!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
 

@@ -62,10 +62,10 @@ import torch
 
 from .. import native
 from ..attention import ops
+from ..config import CPU_LINEAR_KERNELS
 
-KERNELS = ("auto", "aten", "onednn", "native", "upcast")
+KERNELS = CPU_LINEAR_KERNELS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HALF = ("bfloat16", "float16")  # where `upcast` is a kernel
 # Three regimes, each with its own verdict per weight shape: one row, a few rows (probed at 4:
 # MKL's sgemm ran 2-4x slower at 2-8 rows than at one on the EPYC), and a batch (probed at 64).
 PROBE_ROWS = (1, 4, 64)
@@ -98,6 +98,14 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
         logger.debug("oneDNN's %s linear does not run here: %s", dtype, exc)
         return False
     return True
+
+
+def available_kernels(dtype: torch.dtype, rows: int = 1) -> list[str]:
+    """The kernels that can compute a product of `rows` rows at `dtype` here, aten first: ours
+    takes 1-7 rows of float32 or bfloat16, `upcast` 16-bit weights."""
+    return (["aten"] + ["onednn"] * onednn_available(dtype)
+            + ["native"] * (native.load()[0] and dtype != torch.float16 and rows <= NATIVE_MAX_ROWS)
+            + ["upcast"] * (dtype in (torch.bfloat16, torch.float16)))
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -417,12 +425,9 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
     if kernel == "aten" or not shapes:
         why = "as asked" if kernel == "aten" else "no float32, bfloat16 or float16 CPU nn.Linear layers"
         return LinearPlan(kernel, (), f"aten ({why})")
-    has_native = native.load()[0]
-    if has_native:
+    if native.load()[0]:
         _register_native_fake()
-    available = {name: ["aten"] + ["onednn"] * onednn_available(getattr(torch, name))
-                 + ["native"] * (has_native and name != "float16") + ["upcast"] * (name in HALF)
-                 for name in sorted({s[2] for s in shapes})}
+    available = {name: available_kernels(getattr(torch, name)) for name in sorted({s[2] for s in shapes})}
     prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
     missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
     no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
@@ -452,7 +457,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
             chosen[shape] = []
             packed = functools.cache(lambda s=shape: [pack(w) for w in _copies(pool.tensor, s[0], s[1])])
             for regime, rows in enumerate(PROBE_ROWS):
-                kernels = tuple(k for k in available[name] if k != "native" or rows <= NATIVE_MAX_ROWS)
+                kernels = tuple(available_kernels(dtype, rows))
                 times = _probe(shape[0], shape[1], rows, pool, kernels, packed if prepack and rows > 1 else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
