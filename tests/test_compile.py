@@ -129,10 +129,32 @@ def test_warm_up_in_the_background_then_serve(llama_model):
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+def test_one_graph_serves_every_row_count():
+    """With dynamic shapes one graph runs a prompt's chunk, a few requests decoding and a lone
+    one: the linear layers pick their kernel by row count inside their op (not a Python branch
+    Dynamo traces once per regime) and a one-token step is not specialised, so a start traces
+    the layers once instead of three times."""
+    model = make_tiny_model("llama")
+    traced = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
+    # The warm-up's step is padded to 32 tokens and samples 32 rows (one per possible request),
+    # a step of 60-90 tokens samples 32: sizes first seen equal must not stay tied.
+    config = ContinuousBatchingConfig(block_size=4, decode_compile_config=traced, varlen_compile_config=traced,
+                                      cpu_linear_kernel="native" if native.load()[0] else "auto",
+                                      q_padding_interval_size=8, max_requests_per_batch=32)
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    with continuous_batching(model, gen, config) as m:
+        for prompts in (random_prompts(3, 20, 30, seed=2), random_prompts(1, 12, 13, seed=3), [[5]]):
+            outs = [m.get_result(rid, timeout=600) for rid in m.add_requests(prompts)]
+            for prompt, out in zip(prompts, outs):
+                assert out.generated_tokens == reference_generate(model, prompt, 4)
+        stats = m.stats()
+    assert stats["compiles"] == 1 and stats["graph_breaks"] == 0, stats
+
+
 def test_a_second_manager_reuses_the_compiled_step():
     """`generate_batch` makes a manager per call: the model's compiled step (per compile
     choice and linear routing) is kept on the model, so a second manager compiles nothing.
-    The routed linear kernels (our C++ few-row kernel here) are nodes of the graph."""
+    The routed linear layers (our C++ op, which picks the kernel by row count) are nodes of the graph."""
     model = make_tiny_model("llama")
     targets: list[str] = []
 
@@ -153,7 +175,7 @@ def test_a_second_manager_reuses_the_compiled_step():
         for prompt, out in zip(prompts, outs):
             assert out.generated_tokens == reference_generate(model, prompt, 5)
     assert compiles[0] >= 1 and compiles[1] == 0, compiles
-    assert any("small_linear" in t for t in targets), "the compiled step does not call the native linear kernel"
+    assert any("routed_linear" in t for t in targets), "the compiled step does not call the routed linear kernel"
     # A copy (an RL reference policy) does not inherit steps that run the original's weights.
     twin = copy.deepcopy(model)
     with torch.no_grad():

@@ -167,6 +167,34 @@ def test_native_small_linear_refuses_what_it_cannot_take():
         torch.ops.contbatch_cpu.small_linear(torch.rand(2, 16).half(), w.half(), None)
 
 
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
+    """A compiled step's linear picks its kernel by the row count at run time: bit for bit the
+    kernel the route names for one row, 2-7 rows and more (and aten for none)."""
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.rand(40, 24, generator=gen) - 0.5).to(dtype)
+    b = (torch.rand(40, generator=gen) - 0.5).to(dtype)
+    kernels = {"aten": torch.nn.functional.linear, "native": cpu_linear.native_linear}
+    if cpu_linear.onednn_available(dtype):
+        kernels["onednn"] = cpu_linear.onednn_linear
+    routes = [("native", "native", "aten"), ("aten", "native", "aten")]
+    if "onednn" in kernels:
+        routes += [("native", "native", "onednn"), ("onednn", "aten", "onednn"), ("aten", "onednn", "native")]
+    for route in routes:
+        codes = cpu_linear._routed_codes(route)
+        for rows in (0, 1, 2, 7, 8, 33):
+            x = (torch.rand(1, rows, 24, generator=gen) - 0.5).to(dtype)
+            kernel = cpu_linear._kernel(route, rows)
+            if kernel == "native" and rows > cpu_linear.NATIVE_MAX_ROWS:
+                with pytest.raises(RuntimeError, match="1 to 7 rows"):
+                    torch.ops.contbatch_cpu.routed_linear(x, w, b, *codes)
+                continue
+            got = torch.ops.contbatch_cpu.routed_linear(x, w, b, *codes)
+            assert got.shape == (1, rows, 40) and torch.equal(got, kernels[kernel](x, w, b)), (route, rows)
+    assert cpu_linear._routed_codes(("upcast", "upcast", "upcast")) is None  # a Python kernel: branches in Python
+
+
 def test_probe_streams_weights_from_memory():
     """The probe times each kernel over many copies of the weight (as a forward reads it from
     memory), not one hot copy; the pool is as large as the model's linears, within bounds."""

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -196,10 +197,51 @@ at::Tensor small_linear(const at::Tensor& input, const at::Tensor& weight, const
   return y.view(shape);
 }
 
+// The kernels a routed layer can take (engine/cpu_linear.py's `ROUTED_CODES`).
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2 };
+
+at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               std::string_view, c10::List<std::optional<c10::Scalar>>,
+                                               std::optional<std::string_view>)>();
+  const at::Tensor y = op.call(input.reshape({-1, input.size(-1)}).contiguous(), weight, bias, "none",
+                               c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = weight.size(0);
+  return y.view(shape);
+}
+
+// A linear layer in a compiled step, its kernel chosen here by the row count: `one` for one row,
+// `few` for 2-7, `many` for more. Chosen in Python instead, the choice is a branch on the row
+// count that Dynamo traces as one graph per regime: three graphs (and three traces of the
+// layers) per start where one serves every row count.
+at::Tensor routed_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         int64_t one, int64_t few, int64_t many) {
+  const int64_t rows = input.size(-1) == 0 ? 0 : input.numel() / input.size(-1);
+  const int64_t kernel = rows == 0 ? kAten : rows == 1 ? one : rows <= kMaxRows ? few : many;
+  switch (kernel) {
+    case kNative:
+      TORCH_CHECK(rows <= kMaxRows, "routed_linear: the native kernel takes 1 to ", kMaxRows, " rows");
+      return small_linear(input, weight, bias);
+    case kOneDnn:
+      return onednn_linear(input, weight, bias);
+    case kAten:
+      return at::linear(input, weight, bias);
+    default:
+      TORCH_CHECK(false, "routed_linear: unknown kernel code ", kernel);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("routed_linear(Tensor x, Tensor weight, Tensor? bias, int one, int few, int many) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) { m.impl("small_linear", small_linear); }
+TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {
+  m.impl("small_linear", small_linear);
+  m.impl("routed_linear", routed_linear);
+}

@@ -8,7 +8,9 @@ embeddings to the sampled rows' logits, with paged attention as one opaque custo
 (`attention/ops.py`): no graph break. Each decoder layer is a nested compile region, so
 Dynamo traces one layer of each kind and Inductor compiles it once (`mark_layer_regions`).
 Compiled steps are padded to the graph buckets (`buckets.py`), so the number of compiles stays
-bounded; `stats()` counts them.
+bounded; `stats()` counts them. With dynamic shapes one graph serves every step: the linear
+layers choose their kernel by row count inside their op (`cpu_linear.ROUTED_CODES`) and a
+one-token step is not specialised, so a start traces the layers once.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def compiled_forward(model: torch.nn.Module, choice: CompileChoice, variant: tup
             marked = mark_layer_regions(model)
             logger.info("contbatch: %d decoder layers compile as nested regions", marked)
         compiled = torch.compile(_own_code(forward), **choice.kwargs())
+        # One graph for every step. Dynamo specialises a dynamic size seen as 1 (a lone request
+        # decoding), which traced every layer a second time at each start (~40% of a warm
+        # start), and ties sizes seen equal (the tokens and the sampled rows of a decode step),
+        # which compiled again for the first prompt. A branch on a size still guards and
+        # recompiles.
+        compiled = torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)(compiled)
         # Floats (a norm's eps, the attention scaling) as constants: left symbolic, they become
         # operands of every layer region, which the region op does not take.
         cache[key] = torch._dynamo.config.patch(specialize_float=True)(compiled)

@@ -199,6 +199,8 @@ def _register_native_fake() -> None:
     if not _fake_registered:
         fake = torch.library.register_fake("contbatch_cpu::small_linear")
         fake(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
+        fake = torch.library.register_fake("contbatch_cpu::routed_linear")
+        fake(lambda x, w, b, one, few, many: x.new_empty(*x.shape[:-1], w.shape[0]))
         _fake_registered.append(True)
 
 
@@ -483,9 +485,27 @@ def _kernel(route: tuple[str, str, str], rows) -> str:
     return "aten" if rows == 0 else route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]
 
 
+# Kernel codes of `contbatch_cpu::routed_linear` (csrc/small_linear_cpu.cpp), which picks a
+# route's kernel by the row count at run time: a compiled step that chose in Python branched on
+# the row count, one graph (and one trace of every layer) per regime.
+ROUTED_CODES = {"aten": 0, "onednn": 1, "native": 2}
+
+
+def _routed_codes(route: tuple[str, str, str]) -> tuple[int, int, int] | None:
+    """The route as `routed_linear`'s codes, or None where it names a kernel the op lacks
+    (`upcast`) or the C++ library is not loaded (no compiler here)."""
+    if not native.load()[0] or any(k not in ROUTED_CODES for k in route):
+        return None
+    _register_native_fake()
+    return tuple(ROUTED_CODES[k] for k in route)
+
+
 def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     compiling = torch.compiler.is_compiling()  # Dynamo folds this to True and never traces in_step()
     if (_CompiledStep.active if compiling else ops.in_step()) and input.dtype == self.weight.dtype:
+        codes = self.__dict__.get("_contbatch_codes") if compiling else None
+        if codes is not None:
+            return torch.ops.contbatch_cpu.routed_linear(input, self.weight, self.bias, *codes)
         rows = input.numel() // self.in_features
         kernel = _kernel(self._contbatch_route, rows)
         if kernel == "onednn":  # in a graph through its custom op (see the module docstring)
@@ -520,6 +540,7 @@ class LinearRouter:
             route = routes.get(_shape(m))
             if route is not None:
                 m._contbatch_route = route
+                m._contbatch_codes = _routed_codes(route)
                 if self.plan.prepack and _packs(route):
                     m._contbatch_packed = PackedWeight(m.weight, m.weight._version, pack(m.weight))
                 m.forward = types.MethodType(_routed_forward, m)
@@ -527,6 +548,6 @@ class LinearRouter:
 
     def uninstall(self) -> None:
         for m in self.modules:
-            for attr in ("forward", "_contbatch_route", "_contbatch_packed"):
+            for attr in ("forward", "_contbatch_route", "_contbatch_codes", "_contbatch_packed"):
                 m.__dict__.pop(attr, None)
         self.modules = []

@@ -141,7 +141,8 @@ class ContinuousBatchingManager(EngineControl):
 
     def _warm_up(self) -> None:
         """Compile before the first real request pays for it: a varlen step of two prompt
-        chunks, decode steps of two rows and of one (Dynamo specializes sizes 0 and 1)."""
+        chunks, decode steps of two rows and of one (with dynamic shapes one graph serves them
+        all; with `dynamic=False` or a branch on the size, each is a compile of its own)."""
         t0 = time.perf_counter()
         vocab = self.model.get_input_embeddings().num_embeddings
         length = max(2, min(self.resolved_config.q_padding_interval_size + 6, self.resolved_config.max_context - 4))
