@@ -45,11 +45,13 @@ REGION_REUSE_ENTRIES = 1024
 # 2-core AMD EPYC with AVX-512 (2026-12-01) level 1 ran 1.06-1.10x the eager step's throughput
 # at 1, 4 and 16 requests; on a 2-core AVX2 EPYC (2026-12-02, layers as compile regions) 1.11x
 # at one request but 0.89x at 4 and 0.78x at 16, after 74-84 s of compiling on a cold cache
-# (34-55 s warm). So eager stays the default. On a GPU the step runs in CUDA graphs already.
+# (34-55 s warm); on a 2-core AVX-512 EPYC (Zen 4, 2026-12-02, one graph per start) 0.82-0.89x
+# at 1, 4 and 16 requests, after 27-32 s of compiling cold (10-13 s warm). So eager stays the
+# default. On a GPU the step runs in CUDA graphs already.
 DEFAULT_LEVEL = 0
-DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 0.78-1.11x eager throughput on the CPU for "
-                      "35-85 s of compiling at start-up (benchmarks/RESULTS.md); try --compile-level 1 for a lone "
-                      "stream")
+DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 0.78-1.11x eager throughput on the CPU, "
+                      "machine by machine, for 25-35 s of compiling at a first start and 10-15 s at later ones "
+                      "(benchmarks/RESULTS.md); try --compile-level 1 where it measures faster")
 
 
 @dataclass(frozen=True)

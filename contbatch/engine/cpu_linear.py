@@ -32,10 +32,13 @@ Only calls made inside an engine step are routed (`ops.in_step()`, set on the en
 around each forward): the user's own forward, backward or `model.generate` on the same model
 runs the unmodified `nn.Linear.forward`. A compiled step cannot read that thread-local flag
 while Dynamo traces it, so the runner sets `compiled_step` around its compiled calls and the
-routed layers call the kernels as opaque ops (ours directly, with a fake for shapes; oneDNN
-through `contbatch::onednn_linear`: Inductor's own lowering of the oneDNN linear
-wants weights prepacked by freezing, which would make them constants and `update_weights`
-impossible; without the routing a compiled step ran MKL's sgemm and lost to the eager step).
+routed layers call the kernels as opaque ops: `contbatch_cpu::routed_linear` (C++, a fake for
+shapes), which picks the route's kernel by row count when it runs, so one graph serves every
+step size; without our C++ library, or on a route with `upcast`, the choice is made while
+tracing (one graph per row regime) and oneDNN goes through `contbatch::onednn_linear`.
+Inductor's own lowering of the oneDNN linear wants weights prepacked by freezing, which would
+make them constants and `update_weights` impossible; without the routing a compiled step ran
+MKL's sgemm and lost to the eager step.
 Only plain `nn.Linear` modules with float32, bfloat16 or float16 CPU weights are touched (float16
 on aten, oneDNN or `upcast`: our kernel reads 32- and 16-bit brain floats only), and only
 those with no forward of their own already patched in (hooks, adapters). The change is
