@@ -52,6 +52,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     -> [1, T, H, D]. The cache write is a side effect on tensors the graph never sees; each
     layer touches only its own, and steps run in order, so no reordering the compiler may do
     can observe it."""
+    return _paged_attention(query, key, value, layer, scaling, sliding_window, softcap, sinks)
+
+
+def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                     sliding_window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     meta = active_step()
     if meta is None:
         raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
@@ -72,7 +77,8 @@ def paged_attention_region(query: torch.Tensor, key: torch.Tensor, value: torch.
     constant of the graph, so identical decoder layers trace to one nested compile region
     (`engine/compile.py`, `mark_layer_regions`; CPU models only: a CPU input in a CUDA graph is
     left for the GPU check)."""
-    return paged_attention(query, key, value, int(layer), scaling, sliding_window, softcap, sinks)
+    # The function, not the op: a second pass through the dispatcher cost ~25 us per layer.
+    return _paged_attention(query, key, value, int(layer), scaling, sliding_window, softcap, sinks)
 
 
 @paged_attention.register_fake
