@@ -50,7 +50,8 @@ FAMILIES = ("contbatch", "tf-cb", "padded")
 PEERS = ("tf-cb", "padded")
 FAMILY_TITLE = {"contbatch": "contbatch", "tf-cb": "transformers generate_batch", "padded": "padded generate"}
 ATTENTION = {
-    "contbatch": "torch backend: SDPA per request for prefill chunks, batched matmuls over gathered keys for decode rows",
+    "contbatch": "torch backend with our C++ kernels: every prompt chunk of a step in one call, every decode row in "
+                 "another, both reading K/V in place through the block tables",
     "tf-cb": "sdpa: a dense [batch tokens x (cache tokens + batch tokens)] mask built every step, attention over the "
              "whole batch's keys",
     "padded": "sdpa over the padded batch, [B, 1, q, k] mask",
@@ -347,9 +348,25 @@ def posted(row: RowResult, wl: Workload) -> tuple[bool, str]:
     return (counts_ok and (not check.get("checked") or check["mismatch"] == 0)), label
 
 
-def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], floor_tok_s: float, between, log) -> dict:
+CEILING = "ceiling probe"  # a pseudo-system: the hardware ceiling, re-measured in every round
+
+
+def ceiling_probe(measure: Callable[[], float], unit: str) -> Callable[[], H.Sample]:
+    """The ceiling as a system of the interleaved rounds (its reading as `tok_s`): this
+    machine's memory bandwidth and GEMM rate drifted by up to 2x within minutes (a one-row
+    product over the default model's weights took 11 ms, then 20 ms, 20 minutes apart), so a
+    floor measured once at the start misreads every later run. Fractions of the floor use the
+    median of the readings taken between the runs."""
+    return lambda: H.Sample(1.0, measure(), extra={"unit": unit})
+
+
+def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], flops_per_run: float, between,
+                   log) -> dict:
     systems: dict[str, Callable[[], H.Sample]] = {}
     rows: dict[str, RowResult] = {}
+    dtype = next(model.parameters()).dtype
+    n = 1024 if args.sweep == "quick" else 2048  # as the ceiling measured at the start
+    systems[CEILING] = ceiling_probe(lambda: H.matmul_rate(dtype, n=n, seconds=0.3), "GFLOP/s")
     for fam in args.families:
         cfgs = [(Config(fam, ()), "default")]
         if best.get(fam) and best[fam] != cfgs[0][0]:
@@ -364,6 +381,8 @@ def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], floo
             rows[cfg.label] = RowResult(cfg, role)
             systems[cfg.label] = runner(model, tok, wl, cfg)
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
+    gflops = H.Spread.of([s.tok_s for s in samples.pop(CEILING)])
+    floor_tok_s = wl.generated_tokens / (flops_per_run / (gflops.median * 1e9))
     for name, ss in samples.items():
         rows[name].samples = ss
     status = {name: posted(r, wl) for name, r in rows.items()}
@@ -396,7 +415,8 @@ def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], floo
             "vs": {p: (v.as_dict() if v else None) for p, v in vs.items()}, "notes": "; ".join(notes),
             "_vs": vs, "_spread": r.spread,
         })
-    return {"rows": out_rows, "peer_best": {f: (r.config.label if r else None) for f, r in peer_best.items()}}
+    return {"rows": out_rows, "peer_best": {f: (r.config.label if r else None) for f, r in peer_best.items()},
+            "matmul_gflops_rounds": gflops.as_dict(), "matmul_floor_tok_s": floor_tok_s}
 
 
 def scenario_table(rows: list[dict]) -> str:
@@ -428,8 +448,17 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
     for level in args.compile_levels:
         systems[f"contbatch compile level {level}, 1 request"] = runner(model, tok, wl, Config("contbatch", (("level", level),)))
     systems["model.generate, batch 1"] = runner(model, tok, wl, Config("padded", (("batch", 1),)))
+    readers: list[str] = []
+
+    def read() -> float:
+        gb_s, _, how = H.weight_read_bandwidth(model, repeats=3)
+        readers.append(how)
+        return gb_s
+
+    systems[CEILING] = ceiling_probe(read, "GB/s")
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
-    floor_wr = ceilings["weight_read_gb_s"] * 1e9 / ceilings["weight_bytes"]
+    bandwidth = H.Spread.of([s.tok_s for s in samples.pop(CEILING)])
+    floor_wr = bandwidth.median * 1e9 / ceilings["weight_bytes"]
     floor_mm = wl.generated_tokens / (2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
                                       / (ceilings["matmul_gflops"] * 1e9))
     rows = []
@@ -443,6 +472,7 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
                      "weight_read_floor_fraction": sp.median / floor_wr, "matmul_floor_fraction": sp.median / floor_mm,
                      "vs_generate": H.ratio(sp, base).as_dict(), "_vs": H.ratio(sp, base)})
     return {"prompt_tokens": len(prompt), "new_tokens": args.single_new_tokens, "weight_read_floor_tok_s": floor_wr,
+            "weight_read_gb_s_rounds": bandwidth.as_dict(), "weight_readers": sorted(set(readers)),
             "matmul_floor_tok_s": floor_mm, "rows": rows}
 
 
@@ -459,8 +489,9 @@ def single_table(single: dict) -> str:
 
 def measure_ceilings(model, dtype, quick: bool) -> dict:
     gflops = H.in_worker(lambda: H.matmul_rate(dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.5))
-    bw, nbytes = H.in_worker(lambda: H.weight_read_bandwidth(model, repeats=3 if quick else 10))
+    bw, nbytes, reader = H.in_worker(lambda: H.weight_read_bandwidth(model, repeats=3 if quick else 10))
     return {"matmul_gflops": gflops, "matmul_shape": "1024^3" if quick else "2048^3", "weight_read_gb_s": bw,
+            "weight_reader": reader,
             "weight_bytes": nbytes, "params": sum(p.numel() for p in model.parameters()),
             "non_embedding_params": H.non_embedding_params(model)}
 
@@ -480,7 +511,8 @@ def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
     ceilings = measure_ceilings(model, dtype, args.sweep == "quick")
     log(f"\n== {dtype_name}: {ceilings['params'] / 1e6:.1f}M params ({ceilings['non_embedding_params'] / 1e6:.1f}M "
         f"non-embedding); matmul {ceilings['matmul_gflops']:.1f} GFLOP/s ({ceilings['matmul_shape']}), "
-        f"weight read {ceilings['weight_read_gb_s']:.1f} GB/s ({ceilings['weight_bytes'] / 1e6:.0f} MB)")
+        f"weight read {ceilings['weight_read_gb_s']:.1f} GB/s ({ceilings['weight_bytes'] / 1e6:.0f} MB, "
+        f"{ceilings['weight_reader']})")
     out = {"ceilings": ceilings, "attn_implementation": attn, "scenarios": {}}
     prompts = {src: make_prompts(tok, src, args.num_prompts, args.min_len, args.max_len, args.seed)
                for src in args.sources}
@@ -499,12 +531,10 @@ def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
                 for fam in args.families:
                     best_by_kind[kind][fam], sweeps[fam] = run_sweep(model, tok, wl, fam, args.sweep, between,
                                                                      not args.no_warmup, log)
-            floor_s = 2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens) / (
-                ceilings["matmul_gflops"] * 1e9)
-            floor_tok_s = wl.generated_tokens / floor_s
-            res = bench_scenario(model, tok, wl, args, best_by_kind[kind], floor_tok_s, between, log)
+            flops = 2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
+            res = bench_scenario(model, tok, wl, args, best_by_kind[kind], flops, between, log)
             res.update(workload=wl.describe(), prompt_tokens=wl.prompt_tokens, generated_tokens=wl.generated_tokens,
-                       matmul_floor_tok_s=floor_tok_s, sweep=sweeps, sweep_on=f"{kind}/{args.sources[0]}",
+                       sweep=sweeps, sweep_on=f"{kind}/{args.sources[0]}",
                        elapsed_s=time.perf_counter() - t0, reference=is_fp32)
             out["scenarios"][wl.name] = res
             log(scenario_table(res["rows"]))
@@ -535,19 +565,24 @@ def markdown(report: dict, args) -> str:
         c = d["ceilings"]
         lines.append(f"### {dname}\n")
         lines.append(f"Ceilings in this run: matmul {c['matmul_gflops']:.1f} GFLOP/s ({c['matmul_shape']}), weight read "
-                     f"{c['weight_read_gb_s']:.1f} GB/s ({c['weight_bytes'] / 1e6:.0f} MB of weights; "
+                     f"{c['weight_read_gb_s']:.1f} GB/s ({c['weight_bytes'] / 1e6:.0f} MB of weights, fastest reader "
+                     f"{c['weight_reader']}; "
                      f"{c['non_embedding_params'] / 1e6:.1f}M non-embedding params).\n")
         for name, s in d["scenarios"].items():
-            lines.append(f"**{name}**: {s['workload']}. Matmul floor {s['matmul_floor_tok_s']:.0f} tok/s.\n")
+            g = s["matmul_gflops_rounds"]
+            lines.append(f"**{name}**: {s['workload']}. Matmul floor {s['matmul_floor_tok_s']:.0f} tok/s (GEMM rate "
+                         f"re-measured between the runs: {g['median']:.0f} [{g['min']:.0f}, {g['max']:.0f}] GFLOP/s).\n")
             lines.append(scenario_table(s["rows"]))
             lines.append("")
             if s["sweep"]:
                 lines.append(f"<details><summary>sweep on {s['sweep_on']}</summary>\n\n{sweep_table(s['sweep'])}\n\n</details>\n")
         if "single" in d:
             sg = d["single"]
+            b = sg["weight_read_gb_s_rounds"]
             lines.append(f"**single stream**: 1 request, {sg['prompt_tokens']} prompt + {sg['new_tokens']} new tokens; "
-                         f"weight-read floor {sg['weight_read_floor_tok_s']:.0f} tok/s, matmul floor "
-                         f"{sg['matmul_floor_tok_s']:.0f} tok/s.\n")
+                         f"weight-read floor {sg['weight_read_floor_tok_s']:.0f} tok/s (read bandwidth re-measured "
+                         f"between the runs: {b['median']:.1f} [{b['min']:.1f}, {b['max']:.1f}] GB/s, by "
+                         f"{', '.join(sg['weight_readers'])}), matmul floor {sg['matmul_floor_tok_s']:.0f} tok/s.\n")
             lines.append(single_table(sg))
             lines.append("")
     return "\n".join(lines)
