@@ -11,7 +11,8 @@
 
 The library is compiled with the machine's own compiler the first time it is needed
 (`make setup` builds it ahead of time) into `$CONTBATCH_CACHE/ext/<hash>`, keyed by the
-sources, the torch version and the CPU's instruction set, so later starts only load it. Where
+sources, the torch version, the CPU's instruction set and the compiler flags (`-march=native`
+picks each kernel's AVX-512, AVX2 or portable path), so later starts only load it. Where
 it cannot be built (no compiler) each user keeps its PyTorch path and says so at start-up.
 """
 
@@ -35,6 +36,9 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the bu
 # No floating-point contraction: the rotary and norm kernels reproduce PyTorch's roundings
 # (each product rounded, then the sum); explicit FMA intrinsics are unaffected.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+# Flags added after CFLAGS (part of the build key), e.g. `-mno-avx512f` to build the AVX2 code
+# paths on an AVX-512 machine: how the tests check the kernels an AVX2-only CPU runs.
+EXTRA_CFLAGS_ENV = "CONTBATCH_NATIVE_CFLAGS"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -51,10 +55,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cflags() -> list[str]:
+    return [*CFLAGS, *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
+
+
 def build_key() -> str:
     digest = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), _cpu_flags().encode(),
-                 " ".join(CFLAGS).encode()):
+                 " ".join(cflags()).encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -89,7 +97,7 @@ def _load() -> tuple[bool, str]:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=f"contbatch_cpu_{key}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-            extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+            extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False,
         )
         return True, f"built {so} in {time.perf_counter() - start:.1f} s"

@@ -24,6 +24,9 @@ using namespace contbatch_vec;
 
 #if defined(__AVX512F__)
 #define CONTBATCH_AVX512 1
+#define CONTBATCH_TILES 1
+using TileVec = __m512;
+constexpr int kPartVecs = 64;  // 16 keys x up to 4 heads of a tile
 
 // Lane i of the result: the sum of the 16 lanes of v[i] (v is overwritten). Pairs of
 // vectors are interleaved and added four times over: 45 instructions for 16 sums.
@@ -155,6 +158,122 @@ bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, 
 }
 #endif
 
+#ifdef CONTBATCH_VEC_AVX2
+#define CONTBATCH_TILES 1
+// The same two passes in AVX2 registers (8 floats, 16 registers), for the AVX2-only EPYCs:
+// their generic loops ran the decode step's attention 2-3x slower than the AVX-512 tiles on
+// the same core. Per pass: up to kHeads query heads' score sums and a chunk of up to kChunk
+// vectors of the key row in registers (4 + 8 of 16).
+using TileVec = __m256;
+constexpr int kHeads = 4;
+constexpr int kChunk = 8;
+constexpr int kPartVecs = 8 * kHeads;  // 8 keys x up to 4 heads
+constexpr int64_t kAhead = 8;  // as above: prefetch the row kAhead keys on
+
+// Lane i of the result: the sum of the 8 lanes of v[i].
+inline __m256 sum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <int C, typename T>
+inline void prefetch_row(const T* row) {
+  for (size_t b = 0; b < C * 8 * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// sc[g * n + j] = q_g . k_j for GB heads, eight keys at a time: each key's products with a
+// head summed into one vector, the eight vectors reduced together (sum8).
+template <int C, int GB, typename T>
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m256* part) {
+  constexpr int W = C < kChunk ? C : kChunk;
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    for (int64_t jj = 0; jj < 8; ++jj) {
+      if (jj >= count) {
+        for (int g = 0; g < GB; ++g) part[g * 8 + jj] = _mm256_setzero_ps();
+        continue;
+      }
+      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+      const T* kr = kh + slots[j0 + jj] * k_slot;
+      __m256 a[GB];
+      for (int g = 0; g < GB; ++g) a[g] = _mm256_setzero_ps();
+      for (int c0 = 0; c0 < C; c0 += W) {
+        __m256 kv[W];
+        for (int c = 0; c < W; ++c) kv[c] = load8(kr + (c0 + c) * 8);
+        for (int c = 0; c < W; ++c)
+          for (int g = 0; g < GB; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (g * C + c0 + c) * 8), kv[c], a[g]);
+      }
+      for (int g = 0; g < GB; ++g) part[g * 8 + jj] = a[g];
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m256 sums = sum8(part + g * 8);
+      if (count == 8) {
+        _mm256_storeu_ps(sc + g * n + j0, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        for (int64_t jj = 0; jj < count; ++jj) sc[g * n + j0 + jj] = tmp[jj];
+      }
+    }
+  }
+}
+
+// acc[g] = sum_j p_gj v_j: one head and a chunk of up to kChunk vectors of it at a time, the
+// sums in registers; the request's value rows are read once from memory (the first pass
+// prefetches them) and again from cache by the other heads and chunks.
+template <int C, typename T>
+void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, int64_t group, const float* sc, float* acc) {
+  constexpr int W = C < kChunk ? C : kChunk;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* sg = sc + g * n;
+    for (int c0 = 0; c0 < C; c0 += W) {
+      __m256 a[W];
+      for (int c = 0; c < W; ++c) a[c] = _mm256_setzero_ps();
+      const bool first = g == 0 && c0 == 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (first && j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
+        const T* vr = vh + slots[j] * v_slot + c0 * 8;
+        const __m256 p = _mm256_set1_ps(sg[j]);
+        for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);
+      }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + g * C * 8 + (c0 + c) * 8, a[c]);
+    }
+  }
+}
+
+template <int C, typename T>
+void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
+           float* sc, __m256* part) {
+  if (!scores) {
+    value_tile<C>(kvh, stride, slots, n, group, sc, qf_or_acc);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const float* q = qf_or_acc + g0 * C * 8;
+    float* sg = sc + g0 * n;
+    switch (std::min<int64_t>(kHeads, group - g0)) {
+      case 1: score_tile<C, 1>(kvh, stride, slots, n, q, sg, part); break;
+      case 2: score_tile<C, 2>(kvh, stride, slots, n, q, sg, part); break;
+      case 3: score_tile<C, 3>(kvh, stride, slots, n, q, sg, part); break;
+      default: score_tile<C, 4>(kvh, stride, slots, n, q, sg, part); break;
+    }
+  }
+}
+
+template <typename T>
+bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
+               float* qf_or_acc, float* sc, __m256* part) {
+  switch (dim) {
+    case 32: tiles<4>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 64: tiles<8>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 128: tiles<16>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 256: tiles<32>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& block_table,
             const at::Tensor& kv_lens, const at::Tensor& sinks, at::Tensor& out, int64_t block_size, double scale,
@@ -172,13 +291,18 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   const float* sink = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   T* o = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  constexpr bool vectorizable = !std::is_same_v<T, double>;  // the AVX-512 tiles: float32, bfloat16, float16
+  // The tiles: float32 and bfloat16 (and float16 with AVX-512); double runs the generic loops.
+#ifdef CONTBATCH_AVX512
+  constexpr bool vectorizable = !std::is_same_v<T, double>;
+#else
+  constexpr bool vectorizable = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+#endif
 
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * dim), acc(group * dim), inv(group);
-#ifdef CONTBATCH_AVX512
+#ifdef CONTBATCH_TILES
     std::vector<int64_t> slots;
-    std::vector<__m512> part(64);  // 16 keys x up to 4 heads of a tile
+    std::vector<TileVec> part(kPartVecs);
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -194,7 +318,7 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
       const T* vh = v + h * v_head;
       // Scores: each key row is read once and dotted with the group's query heads.
       bool tiled = false;
-#ifdef CONTBATCH_AVX512
+#ifdef CONTBATCH_TILES
       if constexpr (vectorizable) {
         slots.resize(n);
         for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) { slots[j] = slot; });
@@ -227,7 +351,7 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
       }
       // Weighted sum of values: each value row is read once, into every group head's sum.
       std::fill(acc.begin(), acc.end(), 0.f);
-#ifdef CONTBATCH_AVX512
+#ifdef CONTBATCH_TILES
       if constexpr (vectorizable)
         if (tiled) run_tiles<T>(false, vh, v_slot, slots.data(), n, group, dim, acc.data(), sc, part.data());
 #endif

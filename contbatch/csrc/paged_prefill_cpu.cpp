@@ -35,6 +35,56 @@ struct Task {
   int64_t cost;
 };
 
+#if defined(CONTBATCH_VEC_AVX2)
+// s[r * kKeys + j] = q[r] . kt[:, j] for rows r < P and 32 keys j (kt's rows kKeys apart).
+template <int P>
+inline void score_rows8(const float* q, int64_t dim, const float* kt, float* s) {
+  __m256 acc[P][4];
+  for (int r = 0; r < P; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const float* kd = kt + d * kKeys;
+    const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8), k2 = _mm256_loadu_ps(kd + 16),
+                 k3 = _mm256_loadu_ps(kd + 24);
+    for (int r = 0; r < P; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(q + r * dim + d);
+      acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(qv, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(qv, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s + r * kKeys + c * 8, acc[r][c]);
+}
+
+// o[r][0, 8 C) += sum_j p[r * kKeys + j] v[j][0, 8 C) for rows r < P, C <= 4 vectors of sums a row.
+template <int P, int C>
+inline void value_rows8(const float* p, const float* v, int64_t dim, int64_t n, float* o) {
+  __m256 acc[P][C];
+  for (int r = 0; r < P; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_loadu_ps(o + r * dim + c * 8);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(v + j * dim + c * 8);
+    for (int r = 0; r < P; ++r) {
+      const __m256 pv = _mm256_broadcast_ss(p + r * kKeys + j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pv, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + r * dim + c * 8, acc[r][c]);
+}
+
+// value_rows8 over a row's 2 W vectors: four at a time, then the two left, for P rows.
+template <int P, int W>
+inline void value_cols8(const float* p, const float* v, int64_t dim, int64_t n, float* o) {
+  int c = 0;
+  for (; c + 4 <= 2 * W; c += 4) value_rows8<P, 4>(p, v + c * 8, dim, n, o + c * 8);
+  if (c < 2 * W) value_rows8<P, 2>(p, v + c * 8, dim, n, o + c * 8);
+}
+#endif
+
 // s[r * kKeys + j] = q[r] . kt[:, j] for rows r < R: kt is the key block transposed (dim x kKeys).
 template <int R>
 inline void score_rows(const float* q, int64_t dim, const float* kt, float* s) {
@@ -56,6 +106,14 @@ inline void score_rows(const float* q, int64_t dim, const float* kt, float* s) {
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeys + c * 16, acc[r][c]);
+#elif defined(CONTBATCH_VEC_AVX2)
+  // 16 AVX2 registers: two rows x 32 keys of sums (8) and the keys' 4 vectors at a time. Each
+  // sum is the same chain of FMAs over d as above, so the scores are the AVX-512 path's.
+  for (int64_t half = 0; half < kKeys; half += 32) {
+    int r = 0;
+    for (; r + 2 <= R; r += 2) score_rows8<2>(q + r * dim, dim, kt + half, s + r * kKeys + half);
+    if (r < R) score_rows8<1>(q + r * dim, dim, kt + half, s + r * kKeys + half);
+  }
 #else
   for (int r = 0; r < R; ++r) {
     float acc[kKeys] = {};
@@ -86,6 +144,12 @@ inline void value_rows(const float* p, const float* v, int64_t dim, int64_t n, f
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c) _mm512_storeu_ps(o + r * dim + c * 16, acc[r][c]);
+#elif defined(CONTBATCH_VEC_AVX2)
+  // Two rows at a time (8 sums + 4 value vectors + the weight of 16 registers); the same FMA
+  // chain over j per output as above.
+  int r = 0;
+  for (; r + 2 <= R; r += 2) value_cols8<2, W>(p + r * kKeys, v, dim, n, o + r * dim);
+  if (r < R) value_cols8<1, W>(p + r * kKeys, v, dim, n, o + r * dim);
 #else
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
@@ -150,6 +214,12 @@ inline float row_max(const float* s, int64_t a, int64_t b) {
   __m512 mv = _mm512_set1_ps(m);
   for (; j + 16 <= b; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
   m = _mm512_reduce_max_ps(mv);
+#elif defined(CONTBATCH_VEC_AVX2)
+  __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= b; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
   for (; j < b; ++j) m = std::max(m, s[j]);
   return m;

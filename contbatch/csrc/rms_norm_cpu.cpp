@@ -35,6 +35,18 @@ void rows_norm(const T* x, const T* w, T* y, int64_t begin, int64_t end, int64_t
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(CONTBATCH_VEC_AVX2)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= hidden; i += 16) {
+      const __m256 v0 = load8(xr + i), v1 = load8(xr + i + 8);
+      acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+      acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+    }
+    for (; i + 8 <= hidden; i += 8) {
+      const __m256 v = load8(xr + i);
+      acc0 = _mm256_fmadd_ps(v, v, acc0);
+    }
+    sum = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < hidden; ++i) {
       const float v = widen(xr[i]);
@@ -49,6 +61,12 @@ void rows_norm(const T* x, const T* w, T* y, int64_t begin, int64_t end, int64_t
     for (; j + 16 <= hidden; j += 16) {
       const __m512 normed = rounded(yr, _mm512_mul_ps(load16(xr + j), s));  // rounded to the input dtype first
       store16(yr + j, _mm512_mul_ps(load16(w + j), normed));
+    }
+#elif defined(CONTBATCH_VEC_AVX2)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; j + 8 <= hidden; j += 8) {
+      const __m256 normed = rounded8(yr, _mm256_mul_ps(load8(xr + j), s));  // rounded to the input dtype first
+      store8(yr + j, _mm256_mul_ps(load8(w + j), normed));
     }
 #endif
     for (; j < hidden; ++j) {

@@ -21,9 +21,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define CONTBATCH_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(CONTBATCH_VEC_AVX2)
 #define CONTBATCH_AVX2 1
-#include <immintrin.h>
 #endif
 
 namespace {
@@ -73,17 +72,7 @@ void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64
 // row read bfloat16 weights at 10-15 GB/s, no faster than float32 ones of twice the bytes.
 // A = independent FMA chains per input row: four for one row, fewer as rows add chains of
 // their own (and registers run out: A x R accumulators + the weight vectors <= 16).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a float32
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
+// load8 and hsum8 are in vec.h.
 template <int R, typename W>
 void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
           int64_t out_stride) {

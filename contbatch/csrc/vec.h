@@ -1,8 +1,8 @@
 // What the CPU kernels share: the float32/bfloat16 dispatch, widening a value to float32,
-// (with AVX-512) loading sixteen float32, bfloat16 or float16 values as one float32 vector and
-// storing sixteen back with the dtype's rounding, and the attention kernels' softmax exponent.
-// Included by every csrc/*.cpp; native.py hashes it with them, so a change here rebuilds the
-// library.
+// loading sixteen (AVX-512) or eight (AVX2) float32, bfloat16 or float16 values as one float32
+// vector and storing them back with the dtype's rounding, and the attention kernels' softmax
+// exponent. Included by every csrc/*.cpp; native.py hashes it with them, so a change here
+// rebuilds the library.
 
 #pragma once
 
@@ -11,8 +11,15 @@
 #include <cmath>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// AVX2 code paths where the machine has AVX2 but not AVX-512 (the AVX2-only EPYCs): without
+// them those machines ran the norm and softmax one value at a time and the attention kernels'
+// products in generic loops.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define CONTBATCH_VEC_AVX2 1
 #endif
 
 namespace contbatch_vec {
@@ -57,6 +64,55 @@ inline void store16(at::BFloat16* p, __m512 v) {
 }
 #endif
 
+#ifdef CONTBATCH_VEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// As bf16_bits (round to nearest even, NaN to 0x7FC0), eight lanes: the result in the low
+// 16 bits of each 32-bit lane.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m256 rounded8(float*, __m256 v) { return v; }
+inline __m256 rounded8(at::BFloat16*, __m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i w = bf16_bits8(v);  // eight 16-bit values in the low halves of the lanes: pack them
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// exp16's polynomial, eight lanes; 2^n built in the exponent bits (AVX2 has no scalef).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  // n >= -126 here (x >= -87), so 2^n is a normal float: n + 127 in the exponent field.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 #if defined(__AVX512F__)
 // e^x for the softmax's shifted scores (x <= 0), 16 at a time: Cephes' expf (x = n ln2 + r,
 // a degree-7 polynomial in r, then 2^n), within ~1 ulp of std::exp. The scalar std::exp per
@@ -98,6 +154,15 @@ inline float exp_shifted(float* sg, int64_t n, float m) {
     j = n;
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(CONTBATCH_VEC_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
+    _mm256_storeu_ps(sg + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
 #endif
   for (; j < n; ++j) {
     sg[j] = std::exp(sg[j] - m);
