@@ -22,12 +22,33 @@ namespace {
 
 using namespace contbatch_vec;
 
+// The register tiles' vector: 16 floats with AVX-512, 8 with AVX2 (CONTBATCH_VEC_AVX2, vec.h).
 #if defined(__AVX512F__)
 #define CONTBATCH_AVX512 1
 #define CONTBATCH_TILES 1
 using TileVec = __m512;
 constexpr int kPartVecs = 64;  // 16 keys x up to 4 heads of a tile
+#elif defined(CONTBATCH_VEC_AVX2)
+#define CONTBATCH_TILES 1
+using TileVec = __m256;
+constexpr int kHeads = 4;
+constexpr int kChunk = 8;
+constexpr int kPartVecs = 8 * kHeads;  // 8 keys x up to 4 heads
+#endif
 
+#ifdef CONTBATCH_TILES
+constexpr int kLanes = sizeof(TileVec) / sizeof(float);
+
+// Keys (or values) a request reads are short runs of rows scattered over the cache, too short
+// for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
+constexpr int64_t kAhead = 8;
+template <int C, typename T>  // a row of C vectors
+inline void prefetch_row(const T* row) {
+  for (size_t b = 0; b < C * kLanes * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+#endif
+
+#ifdef CONTBATCH_AVX512
 // Lane i of the result: the sum of the 16 lanes of v[i] (v is overwritten). Pairs of
 // vectors are interleaved and added four times over: 45 instructions for 16 sums.
 inline __m512 sum16(__m512* v) {
@@ -63,14 +84,6 @@ inline void for_each_slot(const int32_t* blocks, int64_t block_size, int64_t fir
 // registers over all the request's keys.
 template <int C>
 constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
-
-// Keys (or values) a request reads are short runs of rows scattered over the cache, too short
-// for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
-constexpr int64_t kAhead = 8;
-template <int C, typename T>
-inline void prefetch_row(const T* row) {
-  for (size_t b = 0; b < C * 16 * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-}
 
 // sc[g * n + j] = q_g . k_j for the tile's GB heads: sixteen keys at a time, each key's
 // products with a head summed into one vector, the sixteen vectors reduced together (sum16):
@@ -122,8 +135,7 @@ void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, co
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
 }
 
-// Both passes for one request and KV head over `group` query heads, tile by tile. False
-// when the head dim has no tile (the caller's generic loops then run).
+// Both passes for one request and KV head over `group` query heads, tile by tile.
 template <int C, typename T>
 void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
            float* sc, __m512* part) {
@@ -144,42 +156,19 @@ void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int6
 #undef CONTBATCH_TILE
   }
 }
-
-template <typename T>
-bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
-               float* qf_or_acc, float* sc, __m512* part) {
-  switch (dim) {
-    case 32: tiles<2>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 64: tiles<4>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 128: tiles<8>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 256: tiles<16>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    default: return false;
-  }
-}
 #endif
 
 #ifdef CONTBATCH_VEC_AVX2
-#define CONTBATCH_TILES 1
 // The same two passes in AVX2 registers (8 floats, 16 registers), for the AVX2-only EPYCs:
 // their generic loops ran the decode step's attention 2-3x slower than the AVX-512 tiles on
 // the same core. Per pass: up to kHeads query heads' score sums and a chunk of up to kChunk
 // vectors of the key row in registers (4 + 8 of 16).
-using TileVec = __m256;
-constexpr int kHeads = 4;
-constexpr int kChunk = 8;
-constexpr int kPartVecs = 8 * kHeads;  // 8 keys x up to 4 heads
-constexpr int64_t kAhead = 8;  // as above: prefetch the row kAhead keys on
 
 // Lane i of the result: the sum of the 8 lanes of v[i].
 inline __m256 sum8(const __m256* v) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-template <int C, typename T>
-inline void prefetch_row(const T* row) {
-  for (size_t b = 0; b < C * 8 * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
 // sc[g * n + j] = q_g . k_j for GB heads, eight keys at a time: each key's products with a
@@ -261,14 +250,19 @@ void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int6
   }
 }
 
+#endif
+
+#ifdef CONTBATCH_TILES
+// Both passes for head dims of 32, 64, 128 and 256 (C = dim / kLanes vectors a row); false
+// for other dims (the caller's generic loops then run).
 template <typename T>
 bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
-               float* qf_or_acc, float* sc, __m256* part) {
+               float* qf_or_acc, float* sc, TileVec* part) {
   switch (dim) {
-    case 32: tiles<4>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 64: tiles<8>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 128: tiles<16>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 256: tiles<32>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 32: tiles<32 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 64: tiles<64 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 128: tiles<128 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 256: tiles<256 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
     default: return false;
   }
 }

@@ -64,6 +64,14 @@ inline void store16(at::BFloat16* p, __m512 v) {
 }
 #endif
 
+// e^x for the softmax's shifted scores (x <= 0), a vector at a time (exp16, exp8): Cephes' expf,
+// x = n ln2 + r (ln2 in two parts), e^r by a degree-7 polynomial (coefficients from the
+// highest), then 2^n; within ~1 ulp of std::exp. The scalar std::exp per score was most of the
+// decode kernel's time: three scores per key on a grouped-query model.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef CONTBATCH_VEC_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a float32
@@ -93,19 +101,14 @@ inline void store8(at::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-// exp16's polynomial, eight lanes; 2^n built in the exponent bits (AVX2 has no scalef).
+// Eight lanes; 2^n built in the exponent bits (AVX2 has no scalef).
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
   // n >= -126 here (x >= -87), so 2^n is a normal float: n + 127 in the exponent field.
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -114,21 +117,15 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 #if defined(__AVX512F__)
-// e^x for the softmax's shifted scores (x <= 0), 16 at a time: Cephes' expf (x = n ln2 + r,
-// a degree-7 polynomial in r, then 2^n), within ~1 ulp of std::exp. The scalar std::exp per
-// score was most of the decode kernel's time: three scores per key on a grouped-query model.
+// Sixteen lanes (see kExpPoly).
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
