@@ -35,6 +35,10 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-rotary-kernel", choices=["auto", "aten"], default="auto",
                    help="rotary embeddings on the CPU: auto runs the model's apply_rotary_pos_emb as one fused call "
                         "where it matched the original bit for bit at start-up; aten keeps PyTorch's ops")
+    p.add_argument("--cpu-layer-kernel", choices=["auto", "aten"], default="auto",
+                   help="decoder layers on the CPU: auto runs each Llama-family layer as one C++ call in steps on "
+                        "our attention (checked bit-identical to its own forward at run time); aten keeps each "
+                        "layer's own forward")
     p.add_argument("--cpu-prefill-kernel", choices=["auto", "aten"], default="auto",
                    help="prefill attention on the CPU: auto runs our C++ kernel (every prompt chunk of a step in one "
                         "call per layer, K/V read in place); aten runs SDPA one request at a time")
@@ -65,6 +69,7 @@ def gpu_config(args: argparse.Namespace) -> dict:
         cpu_linear_prepack=args.cpu_linear_prepack,
         cpu_rms_norm_kernel=args.cpu_rms_norm_kernel,
         cpu_rotary_kernel=args.cpu_rotary_kernel,
+        cpu_layer_kernel=args.cpu_layer_kernel,
         cpu_prefill_kernel=args.cpu_prefill_kernel,
         **({} if args.compile_level is None else {"default_compile_level": args.compile_level}),
         speculative_config=speculative_config(args),

@@ -88,6 +88,11 @@ class ContinuousBatchingConfig:
     # call inside engine steps where it matched the original bit for bit at start-up
     # (see engine/cpu_rotary.py); "aten" never does.
     cpu_rotary_kernel: str = "auto"
+    # CPU decoder layers: "auto" runs each Llama-family decoder layer (Llama, Mistral, Qwen2/3) as
+    # one C++ call inside engine steps, where its norms, rotary, linears and attention already run
+    # on our kernels, checked bit-identical to the layer's own forward on each kind of step's first
+    # (see engine/cpu_layer.py); "aten" keeps every layer's own forward.
+    cpu_layer_kernel: str = "auto"
     # CPU prefill attention (prompt chunks) on the torch backend: "auto" runs our C++ kernel, one
     # call per layer for every chunk of the step, reading K/V in place (attention/cpu_kernel.py);
     # "aten" runs SDPA one request at a time (the reference the kernel is tested against).
@@ -144,6 +149,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"cpu_rotary_kernel must be 'auto' or 'aten', got {self.cpu_rotary_kernel!r}")
         if self.cpu_prefill_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
+        if self.cpu_layer_kernel not in ("auto", "aten"):
+            raise ValueError(f"cpu_layer_kernel must be 'auto' or 'aten', got {self.cpu_layer_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
         if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:
@@ -191,6 +198,7 @@ class ResolvedConfig:
     cpu_linear: object | None = None  # LinearPlan: the kernel of each linear weight shape, per row regime
     cpu_rms_norm: object | None = None  # NormPlan: the RMSNorm classes run as one fused call
     cpu_rotary: object | None = None  # RotaryPlan: the modeling files whose rotary runs as one fused call
+    cpu_layer: object | None = None  # LayerPlan: the decoder layers run as one C++ call in steps
     return_logprobs: bool = False
     speculative: object | None = None  # SpeculativeConfig in force, or None
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's

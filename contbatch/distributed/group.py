@@ -163,13 +163,13 @@ class TensorParallel:
             raise ValueError(box[0])
         cfg = box[0]
         off = {"use_async_batching": False, "use_cuda_graph": False, "cpu_linear_kernel": "aten",
-               "cpu_rms_norm_kernel": "aten", "cpu_rotary_kernel": "aten",
+               "cpu_rms_norm_kernel": "aten", "cpu_rotary_kernel": "aten", "cpu_layer_kernel": "aten",
                "default_compile_level": 0, "decode_compile_config": None, "varlen_compile_config": None}
         asked = [k for k in ("use_async_batching", "use_cuda_graph", "decode_compile_config", "varlen_compile_config")
                  if getattr(cfg, k)] + (["default_compile_level"] if cfg.default_compile_level else [])
         self.warnings = tuple(f"{k}={getattr(cfg, k)!r} cannot run under tensor parallelism yet; off" for k in asked)
-        self.notes = ("tensor parallelism: async batching, CUDA graphs, compiled steps and the CPU linear, norm and "
-                      "rotary routers are off (rank 0 sends each step's inputs whole, on the host)",)
+        self.notes = ("tensor parallelism: async batching, CUDA graphs, compiled steps and the CPU linear, norm, "
+                      "rotary and layer routers are off (rank 0 sends each step's inputs whole, on the host)",)
         return dataclasses.replace(cfg, **off)
 
     def agree(self, resolved: ResolvedConfig, kv_heads_per_rank: int) -> ResolvedConfig:

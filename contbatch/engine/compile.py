@@ -162,6 +162,12 @@ def mark_layer_regions(model: torch.nn.Module) -> int:
     return marked
 
 
+def is_layer_region(layer: torch.nn.Module) -> bool:
+    """Whether the layer's own forward was replaced by its compile region (`mark_layer_regions`)."""
+    current = layer.__dict__.get("forward")
+    return current is not None and getattr(current, "__func__", None) is _region(type(layer))
+
+
 def _decoder_layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
     """The model's stacks of decoder layers: module lists of two or more layers of one class,
     each holding an attention module (one with a `layer_idx`)."""

@@ -105,7 +105,7 @@ class ContinuousBatchingManager(EngineControl):
             self.core.runner.check()  # its workers were stopped with it, or are gone
         r = self.resolved_config
         self._saved_attn = attach(self.model)
-        self._routers = CpuRouters(self.model, r.cpu_linear, r.cpu_rms_norm, r.cpu_rotary)
+        self._routers = CpuRouters(self.model, r.cpu_linear, r.cpu_rms_norm, r.cpu_rotary, r.cpu_layer)
         self._routers.install()
         logger.info(describe(r))
         for warning in r.warnings:

@@ -13,6 +13,7 @@ from ..cache.paged_cache import KVLayout, solve_num_blocks
 from ..distributed.group import shard_layout
 from .compile import resolve_compile
 from .cpu_linear import plan_linear
+from .cpu_layer import plan_layer
 from .cpu_norm import plan_norm
 from .cpu_rotary import plan_rotary
 from ..config import (
@@ -137,6 +138,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     host_blocks, host_gib, clamped = offload_blocks(cfg, layout.bytes_per_block(bs))
     if clamped:
         notes.append(f"cpu_offload_space clamped from {cfg.cpu_offload_space} to {host_gib:.2f} GiB of available RAM")
+    on_cpu = device.type == "cpu"
+    cpu_linear = plan_linear(model, cfg.cpu_linear_kernel, cfg.cpu_linear_prepack)
+    cpu_norm = plan_norm(model, cfg.cpu_rms_norm_kernel) if on_cpu else None
+    cpu_rotary = plan_rotary(model, cfg.cpu_rotary_kernel) if on_cpu else None
+    cpu_layer = plan_layer(model, cfg.cpu_layer_kernel, cpu_linear, cpu_norm, cpu_rotary,
+                           backend.name == "torch" and backend.decode_fast_path) if on_cpu else None
     resolved = ResolvedConfig(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -172,9 +179,10 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         compile_level=compile_level,
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
-        cpu_linear=plan_linear(model, cfg.cpu_linear_kernel, cfg.cpu_linear_prepack),
-        cpu_rms_norm=plan_norm(model, cfg.cpu_rms_norm_kernel) if device.type == "cpu" else None,
-        cpu_rotary=plan_rotary(model, cfg.cpu_rotary_kernel) if device.type == "cpu" else None,
+        cpu_linear=cpu_linear,
+        cpu_rms_norm=cpu_norm,
+        cpu_rotary=cpu_rotary,
+        cpu_layer=cpu_layer,
         return_logprobs=cfg.return_logprobs,
         speculative=spec,
         kv_heads_per_rank=layout.num_kv_heads,
@@ -209,6 +217,7 @@ def describe(resolved: ResolvedConfig) -> str:
         + f"cpu_linear: {resolved.cpu_linear.summary} "
         + (f"cpu_rms_norm: {resolved.cpu_rms_norm.summary} " if resolved.cpu_rms_norm else "")
         + (f"cpu_rotary: {resolved.cpu_rotary.summary} " if resolved.cpu_rotary else "")
+        + (f"cpu_layer: {resolved.cpu_layer.summary} " if resolved.cpu_layer else "")
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"prefix_sharing={resolved.prefix_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "

@@ -1,0 +1,155 @@
+"""Decoder layers as one C++ call (engine/cpu_layer.py): exact against `model.generate` and the
+layers' own forward in every kind of step, checked at run time, refused where they cannot be."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch, native
+from contbatch.engine import cpu_layer
+from contbatch.engine.cpu_layer import LayerRouter
+
+from conftest import make_tiny_model, random_prompts, reference_generate
+
+pytestmark = pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+
+
+def _router(manager) -> LayerRouter:
+    return next(r for r in manager._routers.routers if isinstance(r, LayerRouter))
+
+
+def _run(model, prompts, new_tokens, **config):
+    """Results and the layer router's checks of one manager's run."""
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(**config))
+    manager.start()
+    try:
+        ids = manager.add_requests(prompts)
+        results = [manager.get_result(i, timeout=120).generated_tokens for i in ids]
+        router = _router(manager)
+        checked, enabled = {kind for _, _, kind in router.shared.checked}, router.shared.enabled
+    finally:
+        manager.stop(timeout=30)
+    return manager, results, checked, enabled
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_layers_equal_generate_in_every_kind_of_step(arch):
+    """Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Mistral (a sliding window of 8,
+    shorter than the prompts): a lone request (one-row steps), then a batch with chunked prompts
+    (decode rows beside chunks, a few rows, many rows). Every kind of step was checked against
+    the layers' own forward and passed; tokens equal `model.generate`'s."""
+    model = make_tiny_model(arch)
+    plan = ContinuousBatchingManager(model, config=ContinuousBatchingConfig()).resolved_config.cpu_layer
+    assert len(plan.layers) == model.config.num_hidden_layers, plan.summary
+    json.dumps(dataclasses.asdict(plan))  # part of resolved_config.as_dict()
+    lone = random_prompts(1, 30, 30, seed=3)
+    _, results, checked, enabled = _run(model, lone, 10, block_size=4)
+    assert enabled and checked == {(2, False, True), (0, True, False)}  # the prompt, then one decode row
+    assert results == [reference_generate(model, lone[0], 10)]
+    prompts = random_prompts(7, 1, 60, seed=11)
+    _, results, checked, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
+    assert enabled and {(1, True, False), (2, True, True)} <= checked, checked
+    for prompt, got in zip(prompts, results):
+        assert got == reference_generate(model, prompt, 8)
+
+
+def test_bfloat16_fused_layers_equal_the_layers_own_forward():
+    """bfloat16 may part from `generate` (other kernels round differently), never from the
+    engine's own per-module path: the same tokens with and without the fused layers."""
+    model = make_tiny_model("qwen3").to(torch.bfloat16)
+    prompts = random_prompts(5, 1, 30, seed=5)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    fused, per_module = (generate_batch(model, prompts, generation_config=gc, progress_bar=False,
+                                        config=ContinuousBatchingConfig(block_size=4, max_batch_tokens=24,
+                                                                        cpu_layer_kernel=k))
+                         for k in ("auto", "aten"))
+    assert [r.generated_tokens for r in fused.values()] == [r.generated_tokens for r in per_module.values()]
+
+
+def test_a_difference_sends_every_layer_back_to_its_own_forward(monkeypatch, caplog):
+    """The run-time check is real: a fused layer that computed something else is caught on its
+    first call, said loudly, and the manager's layers run their own forward from then on, with
+    the tokens still exact."""
+    model = make_tiny_model("llama")
+    real = cpu_layer.FusedLayer.run
+    monkeypatch.setattr(cpu_layer.FusedLayer, "run", lambda self, *a: real(self, *a) * 1.001)
+    prompts = random_prompts(3, 5, 20, seed=2)
+    with caplog.at_level(logging.WARNING, logger="contbatch"):
+        _, results, checked, enabled = _run(model, prompts, 6, block_size=4)
+    assert not enabled and len(checked) == 1
+    assert "differs from its own forward" in caplog.text
+    for prompt, got in zip(prompts, results):
+        assert got == reference_generate(model, prompt, 6)
+
+
+def test_an_op_that_raises_never_fails_the_step(monkeypatch, caplog):
+    """A layout the op refuses is a logged error and the layers' own forward, not a failed step."""
+    model = make_tiny_model("qwen2")
+
+    def refuse(self, *args):
+        raise RuntimeError("decoder_layer: refused")
+
+    monkeypatch.setattr(cpu_layer.FusedLayer, "run", refuse)
+    prompts = random_prompts(3, 5, 20, seed=4)
+    with caplog.at_level(logging.ERROR, logger="contbatch"):
+        _, results, checked, enabled = _run(model, prompts, 6, block_size=4)
+    assert not enabled and not checked and "failed (decoder_layer: refused)" in caplog.text
+    for prompt, got in zip(prompts, results):
+        assert got == reference_generate(model, prompt, 6)
+
+
+def test_plan_refuses_what_it_cannot_reproduce():
+    model = make_tiny_model("llama")
+    config = ContinuousBatchingConfig
+    assert ContinuousBatchingManager(model, config=config(cpu_layer_kernel="aten")).resolved_config.cpu_layer.layers == ()
+    off = ContinuousBatchingManager(model, config=config(decode_fast_path=False)).resolved_config.cpu_layer
+    assert off.layers == () and "decode fast path is off" in off.summary
+    norms = ContinuousBatchingManager(model, config=config(cpu_rms_norm_kernel="aten")).resolved_config.cpu_layer
+    assert norms.layers == () and "norms are not fused" in norms.summary
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    try:
+        hooked = ContinuousBatchingManager(model, config=config()).resolved_config.cpu_layer
+    finally:
+        handle.remove()
+    assert len(hooked.layers) == 1 and "1 left to their own forward (hooks or a patched forward)" in hooked.summary
+    gemma = ContinuousBatchingManager(make_tiny_model("gemma2"), config=config()).resolved_config.cpu_layer
+    assert gemma.layers == () and "per module" in gemma.summary
+    with pytest.raises(ValueError, match="cpu_layer_kernel"):
+        config(cpu_layer_kernel="fused")
+
+
+def test_layers_are_given_back_and_user_forwards_are_untouched():
+    """Only engine steps take the fused call: the user's forward while the manager runs is the
+    layer's own, and stopping leaves no trace on the layers."""
+    model = make_tiny_model("llama")
+    calls = []
+    real = cpu_layer.FusedLayer.run
+
+    def counting(self, *args):
+        calls.append(self.layer_idx)
+        return real(self, *args)
+
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4))
+    cpu_layer.FusedLayer.run = counting
+    try:
+        manager.start()
+        try:
+            manager.get_result(manager.add_request([5, 6, 7, 8]), timeout=60)
+            seen = len(calls)
+            assert seen, "engine steps did not use the fused layers"
+            with torch.no_grad():
+                model(torch.tensor([[5, 6, 7]]))
+            assert len(calls) == seen, "a forward outside the engine was routed"
+        finally:
+            manager.stop(timeout=30)
+    finally:
+        cpu_layer.FusedLayer.run = real
+    assert not any("forward" in m.__dict__ or "_contbatch_fused" in m.__dict__ for m in model.model.layers)
