@@ -16,7 +16,9 @@ lengths x prompts cut from one text or built with the chat template) the run:
 
 Plus, at each dtype: the hardware ceilings measured in the same run (dense matmul GFLOP/s,
 weight-read GB/s) and a single-stream row (one request, 256 new tokens: contbatch against
-plain `model.generate` at batch 1) against the weight-read floor.
+plain `model.generate` at batch 1) against the weight-read floor, end to end and decoding alone:
+each system also runs the same prompt for one new token in every round, and (new tokens - 1) /
+(the difference of the two walls) is its decode rate, start-up and prefill left out alike.
 
 Wall times include each system's start-up (cache allocation, thread start), because that is
 what a user pays. Shared machinery (load sampling, noisy rule, interleaving, statistics,
@@ -440,14 +442,27 @@ def sweep_table(sweeps: dict[str, list[dict]]) -> str:
 # --------------------------------------------------------------------------------------------- single stream
 
 
+FIRST_ONLY = " (first token only)"  # the same system on the same prompt, one new token: what decoding excludes
+
+
 def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: bool, between, log) -> dict:
+    """One request, end to end and decoding alone. The end-to-end rate counts the engine's
+    start-up and the prompt's prefill; the decode rate is what the weight-read floor is about:
+    (new tokens - 1) / (wall of the run - wall of the same system's one-token run in the same
+    round), for every system alike."""
     wl = Workload("fixed", "text", [prompt], [args.single_new_tokens])
+    first = Workload("fixed", "text", [prompt], [1])
     if is_fp32:
         wl.reference = H.reference_tokens(model, wl.prompts, wl.max_new, tok.pad_token_id, log=log)
-    systems = {"contbatch (default), 1 request": runner(model, tok, wl, Config("contbatch", ()))}
+        first.reference = [wl.reference[0][:1]]
+    configs = {"contbatch (default), 1 request": Config("contbatch", ())}
     for level in args.compile_levels:
-        systems[f"contbatch compile level {level}, 1 request"] = runner(model, tok, wl, Config("contbatch", (("level", level),)))
-    systems["model.generate, batch 1"] = runner(model, tok, wl, Config("padded", (("batch", 1),)))
+        configs[f"contbatch compile level {level}, 1 request"] = Config("contbatch", (("level", level),))
+    configs["model.generate, batch 1"] = Config("padded", (("batch", 1),))
+    systems = {}
+    for name, cfg in configs.items():
+        systems[name] = runner(model, tok, wl, cfg)
+        systems[name + FIRST_ONLY] = runner(model, tok, first, cfg)
     readers: list[str] = []
 
     def read() -> float:
@@ -461,16 +476,27 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
     floor_wr = bandwidth.median * 1e9 / ceilings["weight_bytes"]
     floor_mm = wl.generated_tokens / (2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
                                       / (ceilings["matmul_gflops"] * 1e9))
+    spreads, decode, checks = {}, {}, {}
+    for name in configs:
+        full, once = samples[name], samples[name + FIRST_ONLY]
+        spreads[name] = H.Spread.of([s.tok_s for s in full])
+        # Rounds pair up: both runs of a round are minutes apart at most, on the same machine state.
+        decode[name] = H.Spread.of([(wl.generated_tokens - 1) / (f.wall_s - o.wall_s)
+                                    for f, o in zip(full, once) if f.wall_s > o.wall_s] or [0.0])
+        ok, label = posted(RowResult(Config("x", ()), "", full), wl)
+        ok_first, label_first = posted(RowResult(Config("x", ()), "", once), first)
+        checks[name] = (ok and ok_first, label if ok_first else f"{label}; first-token run: {label_first}")
+    base, base_decode = spreads["model.generate, batch 1"], decode["model.generate, batch 1"]
     rows = []
-    spreads = {n: H.Spread.of([s.tok_s for s in ss]) for n, ss in samples.items()}
-    base = spreads["model.generate, batch 1"]
-    for name, ss in samples.items():
-        row = RowResult(Config("x", ()), "", ss)
-        ok, label = posted(row, wl)
-        sp = spreads[name]
+    for name in configs:
+        sp, dec = spreads[name], decode[name]
+        ok, label = checks[name]
         rows.append({"system": name, "posted": ok, "check": label, "tok_s": sp.as_dict(), "_spread": sp,
                      "weight_read_floor_fraction": sp.median / floor_wr, "matmul_floor_fraction": sp.median / floor_mm,
-                     "vs_generate": H.ratio(sp, base).as_dict(), "_vs": H.ratio(sp, base)})
+                     "vs_generate": H.ratio(sp, base).as_dict(), "_vs": H.ratio(sp, base),
+                     "decode_tok_s": dec.as_dict(), "_decode": dec,
+                     "decode_weight_read_floor_fraction": dec.median / floor_wr,
+                     "decode_vs_generate": H.ratio(dec, base_decode).as_dict(), "_decode_vs": H.ratio(dec, base_decode)})
     return {"prompt_tokens": len(prompt), "new_tokens": args.single_new_tokens, "weight_read_floor_tok_s": floor_wr,
             "weight_read_gb_s_rounds": bandwidth.as_dict(), "weight_readers": sorted(set(readers)),
             "matmul_floor_tok_s": floor_mm, "rows": rows}
@@ -478,10 +504,13 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
 
 def single_table(single: dict) -> str:
     body = [[r["system"], r["_spread"].fmt() if r["posted"] else f"not posted ({r['_spread'].median:.1f})", r["check"],
-             f"{r['weight_read_floor_fraction']:.0%}", f"{r['matmul_floor_fraction']:.0%}", H.fmt_ratio(r["_vs"])]
+             f"{r['weight_read_floor_fraction']:.0%}", f"{r['matmul_floor_fraction']:.0%}", H.fmt_ratio(r["_vs"]),
+             r["_decode"].fmt() if r["posted"] else "-", f"{r['decode_weight_read_floor_fraction']:.0%}",
+             H.fmt_ratio(r["_decode_vs"])]
             for r in single["rows"]]
     return H.md_table(["system", "tok/s median [min, max]", "tokens vs reference", "of weight-read floor",
-                       "of matmul floor", "vs generate batch 1"], body, [False, True, False, True, True, True])
+                       "of matmul floor", "vs generate batch 1", "decoding alone: tok/s", "of weight-read floor",
+                       "vs generate"], body, [False, True, False, True, True, True, True, True, True])
 
 
 # --------------------------------------------------------------------------------------------- per dtype
@@ -582,7 +611,9 @@ def markdown(report: dict, args) -> str:
             lines.append(f"**single stream**: 1 request, {sg['prompt_tokens']} prompt + {sg['new_tokens']} new tokens; "
                          f"weight-read floor {sg['weight_read_floor_tok_s']:.0f} tok/s (read bandwidth re-measured "
                          f"between the runs: {b['median']:.1f} [{b['min']:.1f}, {b['max']:.1f}] GB/s, by "
-                         f"{', '.join(sg['weight_readers'])}), matmul floor {sg['matmul_floor_tok_s']:.0f} tok/s.\n")
+                         f"{', '.join(sg['weight_readers'])}), matmul floor {sg['matmul_floor_tok_s']:.0f} tok/s. "
+                         f"Decoding alone: (new tokens - 1) / (the run's wall - the same system's one-new-token "
+                         f"run's wall in the same round).\n")
             lines.append(single_table(sg))
             lines.append("")
     return "\n".join(lines)
