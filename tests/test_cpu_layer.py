@@ -119,6 +119,8 @@ def test_plan_refuses_what_it_cannot_reproduce():
     finally:
         handle.remove()
     assert len(hooked.layers) == 1 and "1 left to their own forward (hooks or a patched forward)" in hooked.summary
+    compiled = ContinuousBatchingManager(model, config=config(default_compile_level=1)).resolved_config.cpu_layer
+    assert compiled.layers == () and "every step is compiled" in compiled.summary
     gemma = ContinuousBatchingManager(make_tiny_model("gemma2"), config=config()).resolved_config.cpu_layer
     assert gemma.layers == () and "per module" in gemma.summary
     with pytest.raises(ValueError, match="cpu_layer_kernel"):

@@ -6,7 +6,7 @@
 // steps in 6 ms). Here the layer calls the same kernels in the same order with the same
 // arguments as the Python path does (our RMSNorm, linear, rotary, K/V write and decode
 // attention ops, aten's add, silu and mul), so its output is bit-identical; the engine checks
-// that on its first step (engine/cpu_layer.py).
+// that at run time, once per layer variant and kind of step (engine/cpu_layer.py).
 //
 // Layout of the arguments (engine/cpu_layer.py builds them):
 //   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
@@ -21,6 +21,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -32,17 +33,19 @@ constexpr int64_t kLinears = 7;
 c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op = find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  static const auto op =
+      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   return op.call(x.contiguous(), weight, eps);
 }
 
 // One linear as engine/cpu_linear.py's `_routed_forward` runs it: the route's kernel for this
 // row count, oneDNN on the prepacked weight for more than one row where there is one.
 at::Tensor linear(const at::Tensor& x, int64_t index, at::TensorList weights,
-                  const c10::List<std::optional<at::Tensor>>& biases, const c10::List<std::optional<at::Tensor>>& packed,
-                  at::IntArrayRef codes) {
-  static const auto small = find("contbatch_cpu::small_linear")
-                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+                  const c10::List<std::optional<at::Tensor>>& biases,
+                  const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes) {
+  static const auto small =
+      find("contbatch_cpu::small_linear")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
   static const auto pointwise =
       find("mkldnn::_linear_pointwise")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
@@ -129,8 +132,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::TensorList weights,
     const at::Tensor no_sinks = at::empty({0}, query.options().dtype(at::kFloat));
     at::Tensor attn;
     if (!chunks) {
-      attn = decode.call(query.contiguous(), key_cache, value_cache, *decode_table, *decode_kv_lens, no_sinks, block_size,
-                         scale, window, 0.0);
+      attn = decode.call(query.contiguous(), key_cache, value_cache, *decode_table, *decode_kv_lens, no_sinks,
+                         block_size, scale, window, 0.0);
     } else {
       attn = at::empty(query.sizes(), query.options());
       if (decode_rows > 0)
@@ -157,7 +160,8 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def(
       "decoder_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, int[] codes, float[] eps, "
       "Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor? decode_table, "
-      "Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, Tensor? chunk_q_lens, Tensor? chunk_kv_lens, "
+      "Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, Tensor? chunk_q_lens, "
+      "Tensor? chunk_kv_lens, "
       "int block_size, float scale, int window, int head_dim) -> Tensor");
 }
 

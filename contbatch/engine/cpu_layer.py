@@ -221,12 +221,15 @@ def _refusal(layer: torch.nn.Module, norm: NormPlan, rotary: RotaryPlan, linear:
 
 
 def plan_layer(model: torch.nn.Module, kernel: str, linear: LinearPlan | None, norm: NormPlan | None,
-               rotary: RotaryPlan | None, decode_kernel: bool) -> LayerPlan:
+               rotary: RotaryPlan | None, decode_kernel: bool,
+               eager_paths: list[str] | tuple[str, ...] = ("decode", "varlen")) -> LayerPlan:
+    """`eager_paths`: the step paths not compiled (compiled steps trace the layers' own forward)."""
     if kernel not in KERNELS:
         raise ValueError(f"cpu_layer_kernel must be one of {KERNELS}, got {kernel!r}")
     layers = _layers(model)
-    if kernel == "aten" or not layers:
-        why = "as asked" if kernel == "aten" else f"no {'/'.join(CLASSES)}"
+    if kernel == "aten" or not layers or not eager_paths:
+        why = ("as asked" if kernel == "aten" else f"no {'/'.join(CLASSES)}" if not layers
+               else "every step is compiled: Inductor compiles the layers' own forward")
         return LayerPlan(kernel, (), f"per module ({why})")
     ok, how = native.load()
     missing = ("C++ kernels " + how if not ok else "the decode fast path is off" if not decode_kernel
@@ -243,8 +246,9 @@ def plan_layer(model: torch.nn.Module, kernel: str, linear: LinearPlan | None, n
         else:
             refused.setdefault(why, []).append(type(layer).__name__)
     names = sorted({type(m).__name__ for m in layers})
-    summary = (f"{len(fused)} {'/'.join(names)} as one call in steps on our attention (checked "
-               "bit-identical on each kind of step's first)" if fused else "per module") + "".join(
+    where = "steps on our attention" if len(eager_paths) == 2 else f"eager {eager_paths[0]} steps on our attention"
+    summary = (f"{len(fused)} {'/'.join(names)} as one call in {where} (checked bit-identical on each kind of "
+               "step's first)" if fused else "per module") + "".join(
         f"; {len(v)} left to their own forward ({k})" for k, v in refused.items())
     return LayerPlan(kernel, tuple(fused), summary)
 

@@ -12,8 +12,8 @@ from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
 from ..distributed.group import shard_layout
 from .compile import resolve_compile
-from .cpu_linear import plan_linear
 from .cpu_layer import plan_layer
+from .cpu_linear import plan_linear
 from .cpu_norm import plan_norm
 from .cpu_rotary import plan_rotary
 from ..config import (
@@ -142,8 +142,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     cpu_linear = plan_linear(model, cfg.cpu_linear_kernel, cfg.cpu_linear_prepack)
     cpu_norm = plan_norm(model, cfg.cpu_rms_norm_kernel) if on_cpu else None
     cpu_rotary = plan_rotary(model, cfg.cpu_rotary_kernel) if on_cpu else None
+    eager_paths = [path for path in ("decode", "varlen") if compiled[path] is None]
     cpu_layer = plan_layer(model, cfg.cpu_layer_kernel, cpu_linear, cpu_norm, cpu_rotary,
-                           backend.name == "torch" and backend.decode_fast_path) if on_cpu else None
+                           backend.name == "torch" and backend.decode_fast_path, eager_paths) if on_cpu else None
     resolved = ResolvedConfig(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
