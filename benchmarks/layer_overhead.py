@@ -2,8 +2,8 @@
 (30 Llama layers, 9/3 heads, tied embeddings) but 64 hidden units, whose kernels take next to no
 time, so a lone request's step time is the engine's and the forward's Python and op overhead.
 
-Runs a lone request with the decoder layers as one C++ call each (`cpu_layer_kernel="auto"`)
-and per module (`"aten"`), alternated, the linears on our few-row kernel in both (as the default
+Runs a lone request with the whole decoder stack as one C++ call (`cpu_layer_kernel="auto"`),
+the decoder layers as one call each (`"layer"`) and per module (`"aten"`), alternated, the linears on our few-row kernel in both (as the default
 model's are at one row; at these sizes the start-up probe would pick PyTorch's), and prints the median ms per decode step (engine-thread
 wall time of `EngineCore.step`) with [min, max] over the rounds, and the tokens' agreement.
 
@@ -48,10 +48,11 @@ def main() -> None:
         return out
 
     core.EngineCore.step = timed_step
-    per_step: dict[str, list[float]] = {"one call per layer": [], "per module": []}
+    systems = (("one call for the stack", "auto"), ("one call per layer", "layer"), ("per module", "aten"))
+    per_step: dict[str, list[float]] = {name: [] for name, _ in systems}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds + 1):  # the first round warms both up and is not counted
-        for name, kernel in (("one call per layer", "auto"), ("per module", "aten")):
+        for name, kernel in systems:
             steps.clear()
             out = generate_batch(model, [prompt], generation_config=gc, progress_bar=False,
                                  config=ContinuousBatchingConfig(cpu_layer_kernel=kernel,

@@ -35,10 +35,11 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-rotary-kernel", choices=["auto", "aten"], default="auto",
                    help="rotary embeddings on the CPU: auto runs the model's apply_rotary_pos_emb as one fused call "
                         "where it matched the original bit for bit at start-up; aten keeps PyTorch's ops")
-    p.add_argument("--cpu-layer-kernel", choices=["auto", "aten"], default="auto",
-                   help="decoder layers on the CPU: auto runs each Llama-family layer as one C++ call in steps on "
-                        "our attention (checked bit-identical to its own forward at run time); aten keeps each "
-                        "layer's own forward")
+    p.add_argument("--cpu-layer-kernel", choices=["auto", "layer", "aten"], default="auto",
+                   help="decoder layers on the CPU: layer runs each Llama-family layer as one C++ call in steps "
+                        "on our attention (checked bit-identical to its own forward at run time); auto also runs "
+                        "the whole stack as one call once a step showed the model's loop a plain chain; aten keeps "
+                        "each layer's own forward")
     p.add_argument("--cpu-prefill-kernel", choices=["auto", "aten"], default="auto",
                    help="prefill attention on the CPU: auto runs our C++ kernel (every prompt chunk of a step in one "
                         "call per layer, K/V read in place); aten runs SDPA one request at a time")

@@ -91,7 +91,9 @@ class ContinuousBatchingConfig:
     # CPU decoder layers: "auto" runs each Llama-family decoder layer (Llama, Mistral, Qwen2/3) as
     # one C++ call inside engine steps, where its norms, rotary, linears and attention already run
     # on our kernels, checked bit-identical to the layer's own forward on each kind of step's first
-    # (see engine/cpu_layer.py); "aten" keeps every layer's own forward.
+    # (see engine/cpu_layer.py), and from each kind of step's second the whole stack as one call
+    # where the first showed the model's loop a plain chain; "layer" stops at one call per layer;
+    # "aten" keeps every layer's own forward.
     cpu_layer_kernel: str = "auto"
     # CPU prefill attention (prompt chunks) on the torch backend: "auto" runs our C++ kernel, one
     # call per layer for every chunk of the step, reading K/V in place (attention/cpu_kernel.py);
@@ -149,8 +151,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"cpu_rotary_kernel must be 'auto' or 'aten', got {self.cpu_rotary_kernel!r}")
         if self.cpu_prefill_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
-        if self.cpu_layer_kernel not in ("auto", "aten"):
-            raise ValueError(f"cpu_layer_kernel must be 'auto' or 'aten', got {self.cpu_layer_kernel!r}")
+        if self.cpu_layer_kernel not in ("auto", "layer", "aten"):
+            raise ValueError(f"cpu_layer_kernel must be 'auto', 'layer' or 'aten', got {self.cpu_layer_kernel!r}")
         if self.cpu_rms_norm_kernel not in ("auto", "aten"):
             raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
         if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:

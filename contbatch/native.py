@@ -3,13 +3,13 @@
 - `paged_decode` and `paged_prefill`: decode rows' and prompt chunks' attention, reading K/V
   in place through the block tables (`attention/cpu_kernel.py`);
 - `small_linear`: linear layers over one to seven rows, bound by reading the weight
-  (`engine/cpu_linear.py`);
+  (`engine/cpu_linear.py`); `small_linears` several of one input in one parallel region;
 - `rms_norm` and `rotary`: a Llama-family RMSNorm and rotary embedding as one call each,
   with the original's rounding (`engine/cpu_norm.py`, `engine/cpu_rotary.py`);
 - `argmax_rows`: greedy sampling's argmax over the vocabulary (`sampling/argmax.py`);
 - `kv_write`: a step's new K/V into the paged cache (`cache/paged_cache.py`);
-- `decoder_layer`: a Llama-family decoder layer as one call of the kernels above
-  (`engine/cpu_layer.py`).
+- `decoder_layer` and `decoder_stack`: a Llama-family decoder layer, or all of a step's layers,
+  as one call of the kernels above (`engine/cpu_layer.py`).
 
 The library is compiled with the machine's own compiler the first time it is needed
 (`make setup` builds it ahead of time) into `$CONTBATCH_CACHE/ext/<hash>`, keyed by the

@@ -119,12 +119,68 @@ def test_plan_refuses_what_it_cannot_reproduce():
     finally:
         handle.remove()
     assert len(hooked.layers) == 1 and "1 left to their own forward (hooks or a patched forward)" in hooked.summary
+    assert not hooked.stack  # not every layer: no stack
+    full = ContinuousBatchingManager(model, config=config()).resolved_config.cpu_layer
+    assert full.stack and "the whole stack as one call" in full.summary
+    layer = ContinuousBatchingManager(model, config=config(cpu_layer_kernel="layer")).resolved_config.cpu_layer
+    assert len(layer.layers) == 2 and not layer.stack and "whole stack" not in layer.summary
     compiled = ContinuousBatchingManager(model, config=config(default_compile_level=1)).resolved_config.cpu_layer
     assert compiled.layers == () and "every step is compiled" in compiled.summary
     gemma = ContinuousBatchingManager(make_tiny_model("gemma2"), config=config()).resolved_config.cpu_layer
     assert gemma.layers == () and "per module" in gemma.summary
     with pytest.raises(ValueError, match="cpu_layer_kernel"):
         config(cpu_layer_kernel="fused")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
+    """Qwen3 (q/k norms), Mistral (a window): after the first step of a kind ran the layers one by
+    one (checked, and showing a plain chain), the steps of that kind run the whole stack as one
+    call; tokens equal `model.generate`'s and the engine's own one-call-per-layer path."""
+    model = make_tiny_model(arch)
+    stacked = []
+    real = cpu_layer.FusedStack.run
+    monkeypatch.setattr(cpu_layer.FusedStack, "run",
+                        lambda self, h, *a: stacked.append(h.shape[1]) or real(self, h, *a))
+    prompts = random_prompts(7, 1, 60, seed=11)
+    _, results, _, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
+    assert enabled and len(stacked) > 3 and max(stacked) > 1, stacked  # decode rows, and beside prompt chunks
+    for prompt, got in zip(prompts, results):
+        assert got == reference_generate(model, prompt, 8)
+    count = len(stacked)
+    _, per_layer, _, _ = _run(model, prompts, 8, block_size=4, max_batch_tokens=32, cpu_layer_kernel="layer")
+    assert per_layer == results and len(stacked) == count
+
+
+def test_no_stack_where_the_loop_is_not_a_plain_chain_or_a_layer_has_hooks(monkeypatch):
+    """A model whose loop skips a layer (here: config.num_hidden_layers below the layers it
+    holds) never proves a chain; a hook added to a layer while the manager runs puts the steps
+    back on one call per layer, and the hook runs."""
+    stacked = []
+    real = cpu_layer.FusedStack.run
+    monkeypatch.setattr(cpu_layer.FusedStack, "run", lambda self, *a: stacked.append(1) or real(self, *a))
+    model = make_tiny_model("llama")
+    model.config.num_hidden_layers = 1
+    prompt = random_prompts(1, 20, 20, seed=8)[0]
+    _, results, _, enabled = _run(model, [prompt], 6, block_size=4)
+    assert enabled and not stacked and results == [reference_generate(model, prompt, 6)]
+    model = make_tiny_model("llama")
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4))
+    manager.start()
+    try:
+        assert manager.get_result(manager.add_request(prompt), timeout=60).generated_tokens == reference_generate(
+            model, prompt, 12)
+        assert stacked
+        before, seen = len(stacked), []
+        handle = model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(1))
+        try:
+            out = manager.get_result(manager.add_request(prompt), timeout=60).generated_tokens
+        finally:
+            handle.remove()
+        assert out == reference_generate(model, prompt, 12) and len(stacked) == before and len(seen) == 12
+    finally:
+        manager.stop(timeout=30)
 
 
 def test_layers_are_given_back_and_user_forwards_are_untouched():

@@ -115,6 +115,30 @@ def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
     assert not tight.cpu_linear.prepack and "of the available RAM" in tight.cpu_linear.summary
 
 
+def test_weights_are_packed_at_their_second_multi_row_call(monkeypatch):
+    """A lone request (one prompt step, then one-row steps on the plain weights) packs nothing
+    (but the layer its first step checks, which runs twice); a second request's prompt packs
+    the other layers' weights, once each, and the tokens stay exact."""
+    model = make_tiny_model("llama")
+    packs = []
+    real = cpu_linear.pack
+    monkeypatch.setattr(cpu_linear, "pack", lambda w: packs.append(w) or real(w))
+    manager = ContinuousBatchingManager(model, GenerationConfig(do_sample=False, eos_token_id=None),
+                                        ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
+    assert manager.resolved_config.cpu_linear.prepack
+    unchecked = [m.weight for m in model.model.layers[1].modules() if isinstance(m, torch.nn.Linear)]
+    prompts = random_prompts(2, 12, 20, seed=5)
+    manager.start()
+    try:
+        for i, prompt in enumerate(prompts):
+            out = manager.get_result(manager.add_request(prompt, max_new_tokens=5), timeout=60)
+            assert out.generated_tokens == reference_generate(model, prompt, 5)
+            packed = [sum(p is w for p in packs) for w in unchecked]
+            assert packed == [i] * len(unchecked), packed
+    finally:
+        manager.stop(timeout=30)
+
+
 def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     with pytest.raises(ValueError, match="cpu_linear_kernel"):
         ContinuousBatchingConfig(cpu_linear_kernel="mkl")
@@ -154,6 +178,26 @@ def test_native_small_linear_matches_float64(rows, dtype):
             exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got[0].double(), exact, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_several_linears_in_one_region_equal_one_call_each(rows, dtype):
+    """`small_linears` (a decoder layer's q/k/v or gate/up in one parallel region) gives every
+    output bit for bit as `small_linear` does, whatever band boundaries fall between weights."""
+    gen = torch.Generator().manual_seed(rows)
+    shapes = [(96, 70), (33, 70), (5, 70), (300, 70)]
+    ws = [(torch.rand(o, i, generator=gen) - 0.5).to(dtype) for o, i in shapes]
+    bs = [None, (torch.rand(33, generator=gen) - 0.5).to(dtype), None, (torch.rand(300, generator=gen) - 0.5).to(dtype)]
+    x = (torch.rand(1, rows, 70, generator=gen) - 0.5).to(dtype)
+    got = torch.ops.contbatch_cpu.small_linears(x, ws, bs)
+    for y, w, b in zip(got, ws, bs):
+        assert torch.equal(y, torch.ops.contbatch_cpu.small_linear(x, w, b))
+    with pytest.raises(RuntimeError, match="one bias"):
+        torch.ops.contbatch_cpu.small_linears(x, ws, bs[:2])
+    with pytest.raises(RuntimeError, match="input's dtype"):
+        torch.ops.contbatch_cpu.small_linears(x, [ws[0].half()], [None])
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")

@@ -215,3 +215,27 @@ def test_a_second_manager_does_not_probe_a_model_in_use():
         ids = manager.add_requests(prompts)
         ContinuousBatchingManager(model).destroy()  # made (checked) while the first one runs
         assert [manager.get_result(rid, timeout=120).generated_tokens for rid in ids] == expected
+
+
+def test_a_model_unchanged_since_its_last_check_is_not_probed_again(monkeypatch):
+    """The probe is a forward of the whole model (~0.1 s of each `generate_batch` start on the
+    default model): it runs again only when what it checks may have changed."""
+    model = build_tiny("llama")
+    probes = []
+    real = support.probe_attention_calls
+    monkeypatch.setattr(support, "probe_attention_calls", lambda m: probes.append(m) or real(m))
+    gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    prompts = random_prompts(2, 5, 12, seed=3)
+    expected = _expected(model, prompts, 3)
+    for _ in range(2):
+        out = generate_batch(model, prompts, gc, progress_bar=False)
+        assert [out[f"req_{i}"].generated_tokens for i in range(2)] == expected
+    assert len(probes) == 1
+    attention = model.model.layers[0].self_attn
+    attention.forward = attention.forward  # a patched forward (an adapter, a hook library)
+    ContinuousBatchingManager(model).destroy()
+    assert len(probes) == 2
+    model.config.sliding_window = 4  # a changed config
+    with pytest.raises(ValueError):  # Llama applies no window: refused, checked against the new config
+        ContinuousBatchingManager(model)
+    assert len(probes) == 3

@@ -8,6 +8,8 @@
 // attention ops, aten's add, silu and mul), so its output is bit-identical; the engine checks
 // that at run time, once per layer variant and kind of step (engine/cpu_layer.py).
 //
+// `decoder_stack` runs every layer of a step in one call (the same function, layer after layer).
+//
 // Layout of the arguments (engine/cpu_layer.py builds them):
 //   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
 //   biases, packed: one per linear (q, k, v, o, gate, up, down), None where it has none
@@ -18,6 +20,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -29,6 +32,7 @@ constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
 enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2 };
 enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
 constexpr int64_t kLinears = 7;
+constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
 
 c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -38,11 +42,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return op.call(x.contiguous(), weight, eps);
 }
 
+// One layer's arguments, views into the call's lists (decoder_stack passes every layer's).
+struct Layer {
+  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in the order of the header
+  const std::optional<at::Tensor>* biases;  // one per linear
+  const std::optional<at::Tensor>* packed;  // one per linear
+  at::ArrayRef<int64_t> codes;              // three per linear
+  at::ArrayRef<double> eps;                 // one per norm
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  double scale;
+  int64_t window;
+};
+
+// What every layer of a step shares: its positions, cache slots and attention plan.
+struct Step {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const at::Tensor& slots;
+  const std::optional<at::Tensor>& decode_table;
+  const std::optional<at::Tensor>& decode_kv_lens;
+  const std::optional<at::Tensor>& chunk_table;
+  const std::optional<at::Tensor>& chunk_q_start;
+  const std::optional<at::Tensor>& chunk_q_lens;
+  const std::optional<at::Tensor>& chunk_kv_lens;
+  int64_t block_size;
+  int64_t head_dim;
+};
+
 // One linear as engine/cpu_linear.py's `_routed_forward` runs it: the route's kernel for this
 // row count, oneDNN on the prepacked weight for more than one row where there is one.
-at::Tensor linear(const at::Tensor& x, int64_t index, at::TensorList weights,
-                  const c10::List<std::optional<at::Tensor>>& biases,
-                  const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes) {
+at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer) {
   static const auto small =
       find("contbatch_cpu::small_linear")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
@@ -50,14 +80,13 @@ at::Tensor linear(const at::Tensor& x, int64_t index, at::TensorList weights,
       find("mkldnn::_linear_pointwise")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
                             c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
-  static const int64_t weight_of[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};
-  const at::Tensor& weight = weights[weight_of[index]];
-  const std::optional<at::Tensor> bias = biases.get(index);
+  const at::Tensor& weight = layer.weights[kWeightOf[index]];
+  const std::optional<at::Tensor>& bias = layer.biases[index];
   const int64_t rows = x.numel() / x.size(-1);
-  const int64_t kernel = codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
+  const int64_t kernel = layer.codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
   if (kernel == kNative) return small.call(x, weight, bias);
   if (kernel == kOneDnn) {
-    const std::optional<at::Tensor> blocked = packed.get(index);
+    const std::optional<at::Tensor>& blocked = layer.packed[index];
     const at::Tensor& w = (rows > 1 && blocked.has_value()) ? *blocked : weight;
     const at::Tensor y = pointwise.call(x.reshape({-1, x.size(-1)}).contiguous(), w, bias, "none",
                                         c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
@@ -69,20 +98,38 @@ at::Tensor linear(const at::Tensor& x, int64_t index, at::TensorList weights,
   return at::linear(x, weight, bias);
 }
 
+// Linears of one input (q/k/v; gate/up): in one parallel region where all of them take our
+// few-row kernel at this row count (small_linears: the same outputs bit for bit, one fork and
+// join instead of one per linear), else one by one.
+std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer) {
+  static const auto many =
+      find("contbatch_cpu::small_linears")
+          .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList,
+                                         const c10::List<std::optional<at::Tensor>>&)>();
+  const int64_t rows = x.numel() / x.size(-1);
+  const int64_t regime = rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2;
+  bool native = true;
+  for (const int64_t index : indices) native = native && layer.codes[3 * index + regime] == kNative;
+  std::vector<at::Tensor> out;
+  if (!native) {
+    for (const int64_t index : indices) out.push_back(linear(x, index, layer));
+    return out;
+  }
+  std::vector<at::Tensor> weights;
+  c10::List<std::optional<at::Tensor>> biases;
+  for (const int64_t index : indices) {
+    weights.push_back(layer.weights[kWeightOf[index]]);
+    biases.push_back(layer.biases[index]);
+  }
+  return many.call(x, weights, biases);
+}
+
 // hidden [1, T, hidden]; cos/sin [1, T, D]; key/value_cache one layer's cache as
 // [kv_heads, slots, D]; slots [T] int64. The step's first rows are decode rows (one query
 // token each; decode_table [rows, W], decode_kv_lens [rows] int32), the rest prompt chunks
 // (chunk_table [chunks, W], chunk_q_start / q_lens / kv_lens [chunks] int32), as the torch
 // backend plans them. Returns the layer's output, [1, T, hidden].
-at::Tensor decoder_layer(const at::Tensor& hidden, at::TensorList weights,
-                         const c10::List<std::optional<at::Tensor>>& biases,
-                         const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
-                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
-                         const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
-                         const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
-                         const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
-                         int64_t block_size, double scale, int64_t window, int64_t head_dim) {
+at::Tensor layer_forward(const at::Tensor& hidden, const Layer& layer, const Step& step) {
   static const auto rotary = find("contbatch_cpu::rotary")
                                  .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                            const at::Tensor&, const at::Tensor&)>();
@@ -98,60 +145,134 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::TensorList weights,
           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t, double,
                       const at::Tensor&)>();
-  const bool qk_norm = weights.size() == 11;
-  TORCH_CHECK(weights.size() == 9 || qk_norm, "decoder_layer: 9 or 11 weights");
-  TORCH_CHECK(biases.size() == kLinears && packed.size() == kLinears && codes.size() == 3 * kLinears,
-              "decoder_layer: one bias, packed weight and route per linear");
-  TORCH_CHECK(eps.size() == (qk_norm ? 4u : 2u), "decoder_layer: one epsilon per norm");
-  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "decoder_layer: hidden [1, T, hidden]");
-  const int64_t tokens = hidden.size(1);
-  const int64_t decode_rows = decode_table.has_value() ? decode_table->size(0) : 0;
-  const bool chunks = chunk_table.has_value() && chunk_q_start.has_value() && chunk_q_lens.has_value() &&
-                      chunk_kv_lens.has_value();
-  TORCH_CHECK(slots.size(0) == tokens, "decoder_layer: one slot per token");
-  TORCH_CHECK(decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
-              "decoder_layer: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
+  const bool qk_norm = layer.weights.size() == 11;
+  const at::ArrayRef<at::Tensor> weights = layer.weights;
+  const at::ArrayRef<double> eps = layer.eps;
+  const int64_t tokens = hidden.size(1), head_dim = step.head_dim;
+  const int64_t decode_rows = step.decode_table.has_value() ? step.decode_table->size(0) : 0;
+  const bool chunks = step.chunk_table.has_value();
 
   // Each half in a scope of its own, so that its intermediates are freed when Python's would be
   // (a prompt chunk's are megabytes each).
   at::Tensor mid;
   {  // Attention, as LlamaAttention.forward and attention/paged.py run it.
     const at::Tensor h = rms_norm(hidden, weights[kInNorm], eps[0]);
-    at::Tensor q = linear(h, 0, weights, biases, packed, codes).view({1, tokens, -1, head_dim});
-    at::Tensor k = linear(h, 1, weights, biases, packed, codes).view({1, tokens, -1, head_dim});
-    const at::Tensor v = linear(h, 2, weights, biases, packed, codes).view({1, tokens, -1, head_dim});
+    const std::vector<at::Tensor> qkv = linears(h, {0, 1, 2}, layer);
+    at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
+    at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
+    const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
     if (qk_norm) {  // Qwen3: a norm over each head's vector before the rotation
       q = rms_norm(q, weights[kQNorm], eps[2]);
       k = rms_norm(k, weights[kKNorm], eps[3]);
     }
-    auto [q_rot, k_rot] = rotary.call(q.transpose(1, 2), k.transpose(1, 2), cos, sin);
+    auto [q_rot, k_rot] = rotary.call(q.transpose(1, 2), k.transpose(1, 2), step.cos, step.sin);
     const at::Tensor key = k_rot[0], value = v.transpose(1, 2)[0];  // [kv_heads, T, D]
-    kv_write.call(key_cache, value_cache, slots, key.stride(-1) == 1 ? key : key.contiguous(), value);
+    kv_write.call(layer.key_cache, layer.value_cache, step.slots, key.stride(-1) == 1 ? key : key.contiguous(),
+                  value);
     // attention/torch_backend.py's `attend`: decode rows first, then every prompt chunk in one call.
     const at::Tensor query = q_rot[0].transpose(0, 1);  // [T, heads, D]
     const at::Tensor no_sinks = at::empty({0}, query.options().dtype(at::kFloat));
     at::Tensor attn;
     if (!chunks) {
-      attn = decode.call(query.contiguous(), key_cache, value_cache, *decode_table, *decode_kv_lens, no_sinks,
-                         block_size, scale, window, 0.0);
+      attn = decode.call(query.contiguous(), layer.key_cache, layer.value_cache, *step.decode_table,
+                         *step.decode_kv_lens, no_sinks, step.block_size, layer.scale, layer.window, 0.0);
     } else {
       attn = at::empty(query.sizes(), query.options());
       if (decode_rows > 0)
         attn.narrow(0, 0, decode_rows)
-            .copy_(decode.call(query.narrow(0, 0, decode_rows).contiguous(), key_cache, value_cache, *decode_table,
-                               *decode_kv_lens, no_sinks, block_size, scale, window, 0.0));
-      prefill.call(query.stride(-1) == 1 ? query : query.contiguous(), key_cache, value_cache, *chunk_table,
-                   *chunk_q_start, *chunk_q_lens, *chunk_kv_lens, no_sinks, block_size, scale, window, 0.0, attn);
+            .copy_(decode.call(query.narrow(0, 0, decode_rows).contiguous(), layer.key_cache, layer.value_cache,
+                               *step.decode_table, *step.decode_kv_lens, no_sinks, step.block_size, layer.scale,
+                               layer.window, 0.0));
+      prefill.call(query.stride(-1) == 1 ? query : query.contiguous(), layer.key_cache, layer.value_cache,
+                   *step.chunk_table, *step.chunk_q_start, *step.chunk_q_lens, *step.chunk_kv_lens, no_sinks,
+                   step.block_size, layer.scale, layer.window, 0.0, attn);
     }
-    mid = hidden + linear(attn.view({1, tokens, -1}), 3, weights, biases, packed, codes);
+    mid = hidden + linear(attn.view({1, tokens, -1}), 3, layer);
   }
   at::Tensor product;
   {  // The MLP, as LlamaMLP.forward runs it: down(silu(gate(x)) * up(x)).
     const at::Tensor h2 = rms_norm(mid, weights[kPostNorm], eps[1]);
-    const at::Tensor gate = linear(h2, 4, weights, biases, packed, codes);
-    product = at::silu(gate) * linear(h2, 5, weights, biases, packed, codes);
+    const std::vector<at::Tensor> gate_up = linears(h2, {4, 5}, layer);
+    product = at::silu(gate_up[0]) * gate_up[1];
   }
-  return mid + linear(product, 6, weights, biases, packed, codes);
+  return mid + linear(product, 6, layer);
+}
+
+void check_step(const at::Tensor& hidden, const Step& step) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "decoder_layer: hidden [1, T, hidden]");
+  const int64_t tokens = hidden.size(1);
+  const int64_t decode_rows = step.decode_table.has_value() ? step.decode_table->size(0) : 0;
+  const bool chunks = step.chunk_table.has_value();
+  TORCH_CHECK(chunks == (step.chunk_q_start.has_value() && step.chunk_q_lens.has_value() &&
+                         step.chunk_kv_lens.has_value()),
+              "decoder_layer: a prompt chunk table with its starts, lengths and key counts");
+  TORCH_CHECK(step.slots.size(0) == tokens, "decoder_layer: one slot per token");
+  TORCH_CHECK(step.decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
+              "decoder_layer: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
+}
+
+at::Tensor decoder_layer(const at::Tensor& hidden, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases,
+                         const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
+                         const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
+                         const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
+                         const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
+                         int64_t block_size, double scale, int64_t window, int64_t head_dim) {
+  const bool qk_norm = weights.size() == 11;
+  TORCH_CHECK(weights.size() == 9 || qk_norm, "decoder_layer: 9 or 11 weights");
+  TORCH_CHECK(biases.size() == kLinears && packed.size() == kLinears && codes.size() == 3 * kLinears,
+              "decoder_layer: one bias, packed weight and route per linear");
+  TORCH_CHECK(eps.size() == (qk_norm ? 4u : 2u), "decoder_layer: one epsilon per norm");
+  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
+                  chunk_kv_lens, block_size, head_dim};
+  check_step(hidden, step);
+  const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
+  return layer_forward(hidden, Layer{weights, bias.data(), blocked.data(), codes, eps, key_cache, value_cache, scale,
+                                     window},
+                       step);
+}
+
+// Every decoder layer of a step, one after the other: what the model's own loop calls layer by
+// layer, without ~30 trips through Python (module call, argument lists) of ~30 us each. The
+// lists hold every layer's arguments one layer after the other, as decoder_layer takes them;
+// scales and windows one per layer.
+at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases,
+                         const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
+                         const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
+                         const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
+                         const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
+                         int64_t block_size, at::ArrayRef<double> scales, at::IntArrayRef windows, int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(scales.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(key_caches.size()) == layers &&
+                  static_cast<int64_t>(value_caches.size()) == layers,
+              "decoder_stack: one scale, window and cache per layer");
+  const int64_t per_layer = static_cast<int64_t>(weights.size()) / layers;
+  const int64_t norms = per_layer == 11 ? 4 : 2;
+  TORCH_CHECK((per_layer == 9 || per_layer == 11) && static_cast<int64_t>(weights.size()) == per_layer * layers,
+              "decoder_stack: 9 or 11 weights per layer");
+  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kLinears * layers &&
+                  static_cast<int64_t>(packed.size()) == kLinears * layers &&
+                  static_cast<int64_t>(codes.size()) == 3 * kLinears * layers &&
+                  static_cast<int64_t>(eps.size()) == norms * layers,
+              "decoder_stack: one bias, packed weight and route per linear, one epsilon per norm");
+  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
+                  chunk_kv_lens, block_size, head_dim};
+  check_step(hidden, step);
+  const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
+  at::Tensor x = hidden;
+  for (int64_t i = 0; i < layers; ++i) {
+    x = layer_forward(x, Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
+                               blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
+                               eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i]},
+                      step);
+  }
+  return x;
 }
 
 }  // namespace
@@ -163,10 +284,22 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
       "Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, Tensor? chunk_q_lens, "
       "Tensor? chunk_kv_lens, "
       "int block_size, float scale, int window, int head_dim) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, int[] codes, float[] eps, "
+      "Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slots, "
+      "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
+      "Tensor? chunk_q_lens, Tensor? chunk_kv_lens, int block_size, float[] scales, int[] windows, "
+      "int head_dim) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) { m.impl("decoder_layer", decoder_layer); }
+TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {
+  m.impl("decoder_layer", decoder_layer);
+  m.impl("decoder_stack", decoder_stack);
+}
 
 // oneDNN's prepacked weights (opaque tensors of the MkldnnCPU key) among the arguments send the
 // call here: the same function, which passes them on to oneDNN's linear.
-TORCH_LIBRARY_IMPL(contbatch_cpu, MkldnnCPU, m) { m.impl("decoder_layer", decoder_layer); }
+TORCH_LIBRARY_IMPL(contbatch_cpu, MkldnnCPU, m) {
+  m.impl("decoder_layer", decoder_layer);
+  m.impl("decoder_stack", decoder_stack);
+}

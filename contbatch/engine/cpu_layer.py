@@ -1,4 +1,4 @@
-"""Llama-family decoder layers as one C++ call each inside engine steps (`csrc/decoder_layer_cpu.cpp`).
+"""Llama-family decoder layers as one C++ call inside engine steps (`csrc/decoder_layer_cpu.cpp`).
 
 With the linears, norms, rotary and attention on our kernels, what a lone request's decode step
 still spends beside reading the weights is Python: each decoder layer is ~12 module calls and
@@ -11,6 +11,13 @@ a few, many; decode rows, prompt chunks or both), it runs its own forward too an
 compared bit for bit; on any difference every layer goes back to its own forward for the life
 of that manager, with a warning. (Checking every layer doubled a short-lived manager's first
 prefill step: `generate_batch` on 12 prompts of 400 tokens ran 1.3x slower.)
+
+Past one call per layer, the trips through Python between the layers (module call, argument
+lists: ~1 ms of a lone request's bfloat16 step) go too: from each kind of step's second, the
+first layer runs the whole stack as one call (`FusedStack`, `decoder_stack`: the same layer
+function, layer after layer) and the others pass its output on. Only once a step of that kind
+ran the layers one by one, every check passed, and showed the model's loop a plain chain (each
+layer once, in order, on the previous one's output), and while no layer has hooks.
 
 It covers the decoder layer classes whose forward is Llama's (norm, q/k/v projections, optional
 per-head q/k norms, rotary, attention, output projection, residual, norm, gated SiLU MLP,
@@ -37,14 +44,16 @@ from .. import native
 from ..attention import ops
 from ..attention.torch_backend import TorchBackend
 from .compile import is_layer_region
-from .cpu_linear import NATIVE_MAX_ROWS, LinearPlan, _candidates as _linear_candidates, _routed_codes, _shape
+from .cpu_linear import NATIVE_MAX_ROWS, ROUTED_CODES, LinearPlan, _routed_codes, _shape
+from .cpu_linear import _candidates as _linear_candidates
 from .cpu_norm import NormPlan, _eps
 from .cpu_rotary import RotaryPlan
 
 logger = logging.getLogger("contbatch")
 
-KERNELS = ("auto", "aten")
+KERNELS = ("auto", "layer", "aten")  # the stack as one call where it can be, each layer, per module
 DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN = ROUTED_CODES["onednn"]
 ATEN_CODES = (0, 0, 0)  # routed_linear's codes of a plain nn.Linear: aten at every row count
 
 
@@ -77,6 +86,7 @@ class LayerPlan:
     kernel: str  # what the user asked: auto or aten
     layers: tuple[int, ...]  # indices (in model.modules() order) of the layers run as one call
     summary: str
+    stack: bool = False  # all of them as one call (FusedStack), once each kind of step proved a chain
 
 
 @dataclass(eq=False)
@@ -95,6 +105,7 @@ class FusedLayer:
     dtype: torch.dtype
     shared: "_Shared"
     previous: Callable | None = None  # the forward the layer had in its __dict__ (a compile region)
+    position: int = -1  # its place in the model's stack of fused layers (-1: no stack)
 
     @functools.cached_property
     def variant(self) -> tuple:
@@ -116,18 +127,93 @@ class FusedLayer:
         self._biases = [m._parameters for m in self.linears]
         self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "_StepInputs") -> torch.Tensor:
+    def weights(self) -> list[torch.Tensor]:
+        return [d["weight"] for d in self._weights]
+
+    def biases(self) -> list[torch.Tensor | None]:
+        return [d.get("bias") for d in self._biases]
+
+    def packed(self, regime: int) -> list[torch.Tensor | None]:
+        """oneDNN's prepacked copies, for the linears that run oneDNN at this many rows (more
+        than one: engine/cpu_linear.py)."""
         packed = [None] * len(self.linears)
-        if step.rows > 1:  # oneDNN's prepacked copies serve more than one row (engine/cpu_linear.py)
+        if regime:
             for i, m in enumerate(self.linears):
                 holder = m.__dict__.get("_contbatch_packed")
-                if holder is not None:
+                if holder is not None and self.codes[3 * i + regime] == ONEDNN:
                     packed[i] = holder.fresh(m.weight)
+        return packed
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "_StepInputs") -> torch.Tensor:
         key_cache, value_cache = step.cache.kv(self.layer_idx)
         return torch.ops.contbatch_cpu.decoder_layer(
-            hidden, [d["weight"] for d in self._weights], [d.get("bias") for d in self._biases], packed, self.codes,
-            self.eps, cos, sin, key_cache, value_cache, step.slots, *step.decode, *step.chunks, step.block_size,
-            self.scale, self.window, self.head_dim)
+            hidden, self.weights(), self.biases(), self.packed(step.kind[0]), self.codes, self.eps, cos, sin,
+            key_cache, value_cache, step.slots, *step.decode, *step.chunks, step.block_size, self.scale,
+            self.window, self.head_dim)
+
+
+@dataclass(eq=False)
+class FusedStack:
+    """Every decoder layer of the model as one call (`decoder_stack`), from the second step of
+    each kind on: the model's own loop still calls each layer, the first runs them all and the
+    others pass its output on. Used for a kind of step only once a step of that kind ran the
+    layers one by one with every layer's check passed (`known`) and showed the model's loop to
+    be a plain chain: each layer called once, in order, on the previous layer's output (a model
+    that scales, adds or reorders between layers never gets here). `decoder_stack` calls the
+    same function as `decoder_layer`, layer after layer: bit-identical by construction."""
+
+    layers: list[FusedLayer]
+    modules: list[torch.nn.Module]
+    kinds: set[tuple] = field(default_factory=set)  # kinds of step proven a plain chain
+    chain: tuple = (None, None, -1)  # (step, last output, position) of the step running one by one
+    done: tuple = (None, None)  # (step, output) of the stack's call in the step running now
+
+    def __post_init__(self) -> None:
+        self.codes = [c for f in self.layers for c in f.codes]
+        self.eps = [e for f in self.layers for e in f.eps]
+        self.scales = [f.scale for f in self.layers]
+        self.windows = [f.window for f in self.layers]
+
+    def ready(self, step: "_StepInputs") -> bool:
+        return step.kind in self.kinds and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "_StepInputs") -> torch.Tensor:
+        regime = step.kind[0]
+        caches = [step.cache.kv(f.layer_idx) for f in self.layers]
+        out = torch.ops.contbatch_cpu.decoder_stack(
+            hidden, [w for f in self.layers for w in f.weights()], [b for f in self.layers for b in f.biases()],
+            [p for f in self.layers for p in f.packed(regime)], self.codes, self.eps, cos, sin,
+            [k for k, _ in caches], [v for _, v in caches], step.slots, *step.decode, *step.chunks,
+            step.block_size, self.scales, self.windows, self.layers[0].head_dim)
+        self.done = (step, out)
+        return out
+
+    def pass_on(self, position: int) -> torch.Tensor:
+        """A later layer's share of the stack's call in this step: the output, unchanged."""
+        out = self.done[1]
+        if position == len(self.layers) - 1:
+            self.done = (None, None)
+        return out
+
+    def changed(self) -> None:
+        """A later layer of a step whose stack ran was given another hidden state than the
+        stack's output: the model's loop is not the chain it was, and this step's output is
+        lost. The step fails; the following ones run the layers one by one until a step proves
+        a chain again."""
+        self.kinds.clear()
+        self.done = (None, None)
+        raise RuntimeError("contbatch: the decoder stack ran in one call, but a later layer was given another hidden "
+                           "state (the model's loop changed): the step fails, the next ones run the layers one by one")
+
+    def track(self, position: int, hidden: torch.Tensor, out: torch.Tensor, step: "_StepInputs") -> None:
+        """Follows a step run one by one: a plain chain through every layer proves its kind."""
+        chained = position == 0 or (self.chain[0] is step and self.chain[1] is hidden
+                                     and self.chain[2] == position - 1)
+        self.chain = (step, out, position) if chained else (None, None, -1)
+        if chained and position == len(self.layers) - 1:
+            self.chain = (None, None, -1)
+            if all(step.kind in f.known for f in self.layers):
+                self.kinds.add(step.kind)
 
 
 @dataclass(eq=False)
@@ -139,6 +225,7 @@ class _Shared:
     checked: set[tuple] = field(default_factory=set)
     enabled: bool = True
     last_emb: tuple = (None, False)  # (cos tensor, whether our rotary takes it)
+    stack: FusedStack | None = None
 
 
 @dataclass(frozen=True)
@@ -247,10 +334,14 @@ def plan_layer(model: torch.nn.Module, kernel: str, linear: LinearPlan | None, n
             refused.setdefault(why, []).append(type(layer).__name__)
     names = sorted({type(m).__name__ for m in layers})
     where = "steps on our attention" if len(eager_paths) == 2 else f"eager {eager_paths[0]} steps on our attention"
+    stack = kernel == "auto" and len(fused) > 1 and not refused and len(
+        {(type(m), m.self_attn.head_dim, m.input_layernorm.weight.dtype) for m in layers}) == 1
     summary = (f"{len(fused)} {'/'.join(names)} as one call in {where} (checked bit-identical on each kind of "
                "step's first)" if fused else "per module") + "".join(
-        f"; {len(v)} left to their own forward ({k})" for k, v in refused.items())
-    return LayerPlan(kernel, tuple(fused), summary)
+        f"; {len(v)} left to their own forward ({k})" for k, v in refused.items()) + (
+        "; the whole stack as one call from each kind of step's second, once its first showed the model's loop a "
+        "plain chain" if stack else "")
+    return LayerPlan(kernel, tuple(fused), summary, stack)
 
 
 def _fused_layer(layer: torch.nn.Module, linear: LinearPlan | None, shared: _Shared) -> FusedLayer:
@@ -270,25 +361,35 @@ def _fused_layer(layer: torch.nn.Module, linear: LinearPlan | None, shared: _Sha
 
 def _routed_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     fused: FusedLayer = self._contbatch_fused
-    if not torch.compiler.is_compiling() and fused.shared.enabled and ops.in_step():
+    shared = fused.shared
+    stack = shared.stack
+    if stack is not None and fused.position > 0 and stack.done[1] is hidden_states and ops.in_step():
+        return stack.pass_on(fused.position)  # the stack's output, as this step's first layer returned it
+    if not torch.compiler.is_compiling() and shared.enabled and ops.in_step():
         meta = kwargs.get("step_metadata")
         step = _step_inputs(meta if meta is not None and not isinstance(meta, str) else ops.active_step())
         emb = kwargs.get("position_embeddings")
         if step is not None and not args and hidden_states.dtype == fused.dtype and _plain_rotary(emb, fused):
+            if stack is not None and fused.position > 0 and stack.done[0] is step:
+                stack.changed()  # this step's stack ran, and this layer was given something else
             try:
+                if stack is not None and fused.position == 0 and stack.ready(step):
+                    return stack.run(hidden_states, emb[0], emb[1], step)
                 out = fused.run(hidden_states, emb[0], emb[1], step)
             except RuntimeError as exc:  # a shape or layout the op refuses: never fail the step for it
-                fused.shared.enabled = False
+                shared.enabled = False
                 logger.error("contbatch: the one-call %s (layer %d) failed (%s): decoder layers run their own "
                              "forward for the rest of this manager", type(self).__name__, fused.layer_idx, exc)
                 return fused.own(self, hidden_states, *args, **kwargs)
-            if step.kind in fused.known:
-                return out
-            kind = (type(self), fused.variant, step.kind)
-            if kind in fused.shared.checked:  # another layer of this variant passed it
-                fused.known.add(step.kind)
-                return out
-            return _check(self, fused, kind, out, hidden_states, kwargs)
+            if step.kind not in fused.known:
+                kind = (type(self), fused.variant, step.kind)
+                if kind in shared.checked:  # another layer of this variant passed it
+                    fused.known.add(step.kind)
+                else:
+                    out = _check(self, fused, kind, out, hidden_states, kwargs)
+            if stack is not None:
+                stack.track(fused.position, hidden_states, out, step)
+            return out
     return fused.own(self, hidden_states, *args, **kwargs)
 
 
@@ -346,6 +447,10 @@ class LayerRouter:
                 m._contbatch_fused.previous = m.__dict__.get("forward")  # a compile region stays one
                 m.forward = types.MethodType(_routed_forward, m)
                 self.modules.append(m)
+        if self.plan.stack:
+            for position, m in enumerate(self.modules):
+                m._contbatch_fused.position = position
+            self.shared.stack = FusedStack([m._contbatch_fused for m in self.modules], list(self.modules))
 
     @property
     def active(self) -> bool:
