@@ -140,63 +140,17 @@ std::vector<float> widened(const T* p, int64_t n) {
   return out;
 }
 
-template <typename T>
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-  at::Tensor y = at::empty({rows, out}, x.options());
-  // Activations (and the bias) in float32 once: a few rows, read from L1 for every weight row.
-  std::vector<float> xs, bs;
-  const float* xp = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    xp = x.data_ptr<float>();
-  } else {
-    xs = widened(x.data_ptr<T>(), rows * in);
-    xp = xs.data();
-  }
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bs = widened(bias->contiguous().data_ptr<T>(), out);
-    bp = bs.data();
-  }
-  const T* wp = weight.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  const BandFn<T> fn = pick<T>(rows);
-  // Bands of at least 32 features (a few KB of weight each): enough work per task.
-  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) { fn(xp, wp, bp, yp, in, begin, end, out); });
-  return y;
-}
-
-// x is [..., I] like nn.Linear's input (a step's [1, R, I]): flattened and shaped back here, where
-// it costs ~0.2 us, rather than in the Python wrapper, where the reshape, contiguous and view
-// cost ~10 us on each of a lone request's ~210 linears per step.
-at::Tensor small_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1),
-              "small_linear: x [..., I], weight [O, I]");
-  const at::Tensor x = input.reshape({-1, input.size(-1)}).contiguous();
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear takes 1 to ", kMaxRows, " rows, got ", x.size(0));
-  TORCH_CHECK(weight.is_contiguous(), "small_linear: the weight must be contiguous");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_linear: x and weight must share a dtype");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->numel() == weight.size(0),
-                "small_linear: the bias must have the weight's dtype and one value per output feature");
-  }
-  at::Tensor y;
-  float_or_bf16(weight.scalar_type(), "small_linear", [&](auto tag) { y = run<decltype(tag)>(x, weight, bias); });
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape.back() = weight.size(0);
-  return y.view(shape);
-}
-
-// Several linears of one input in one parallel region (a decoder layer's q/k/v, its gate/up):
-// with one row, each linear's region costs a fork and join (~5-10 us on the 2-core EPYC, ~200
-// a step of the default model) beside ~10-40 us of weight reading. Each output is computed
-// exactly as small_linear computes it (the same band function on the same row), so the results
-// are bit-identical to one call per weight; the tasks take bands of the outputs of all weights
-// laid end to end.
+// Linears of one input in one parallel region (small_linear is the case of one weight; a
+// decoder layer's q/k/v and gate/up are several): with one row, each region costs a fork and
+// join (~5-10 us on the 2-core EPYC, ~200 regions a step of the default model) beside ~10-40 us
+// of weight reading. The tasks take bands of the outputs of all weights laid end to end; an
+// output's value does not depend on the band it falls in (the same band function on the same
+// row), so the results are bit-identical to one call per weight.
 template <typename T>
 std::vector<at::Tensor> run_many(const at::Tensor& x, at::TensorList weights,
                                  const std::vector<std::optional<at::Tensor>>& biases) {
   const int64_t rows = x.size(0), in = x.size(1), n = static_cast<int64_t>(weights.size());
+  // Activations (and biases) in float32 once: a few rows, read from L1 for every weight row.
   std::vector<float> xs;
   const float* xp = nullptr;
   if constexpr (std::is_same_v<T, float>) {
@@ -228,6 +182,32 @@ std::vector<at::Tensor> run_many(const at::Tensor& x, at::TensorList weights,
     }
   });
   return ys;
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return run_many<T>(x, weight, {bias})[0];
+}
+
+// x is [..., I] like nn.Linear's input (a step's [1, R, I]): flattened and shaped back here, where
+// it costs ~0.2 us, rather than in the Python wrapper, where the reshape, contiguous and view
+// cost ~10 us on each of a lone request's ~210 linears per step.
+at::Tensor small_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 1 && weight.dim() == 2 && input.size(-1) == weight.size(1),
+              "small_linear: x [..., I], weight [O, I]");
+  const at::Tensor x = input.reshape({-1, input.size(-1)}).contiguous();
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear takes 1 to ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(weight.is_contiguous(), "small_linear: the weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_linear: x and weight must share a dtype");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->numel() == weight.size(0),
+                "small_linear: the bias must have the weight's dtype and one value per output feature");
+  }
+  at::Tensor y;
+  float_or_bf16(weight.scalar_type(), "small_linear", [&](auto tag) { y = run<decltype(tag)>(x, weight, bias); });
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = weight.size(0);
+  return y.view(shape);
 }
 
 std::vector<at::Tensor> small_linears(const at::Tensor& input, at::TensorList weights,

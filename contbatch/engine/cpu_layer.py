@@ -83,7 +83,7 @@ LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_pr
 
 @dataclass(frozen=True)
 class LayerPlan:
-    kernel: str  # what the user asked: auto or aten
+    kernel: str  # what the user asked: auto, layer or aten
     layers: tuple[int, ...]  # indices (in model.modules() order) of the layers run as one call
     summary: str
     stack: bool = False  # all of them as one call (FusedStack), once each kind of step proved a chain
