@@ -387,8 +387,11 @@ def test_default_model_writes_valid_json(default_model):
     chat = [tok.apply_chat_template([{"role": "user", "content": f"Answer in JSON. {q}"}], add_generation_prompt=True,
                                     tokenize=True, return_dict=False)
             for q in ("What is the largest city of France?", "Name some colors.")]
-    params = [SamplingParams(temperature=0.7, max_new_tokens=32, structured_output=StructuredOutput(json=s))
-              for s in schemas]
+    # Room for the longest output each schema allows (no free whitespace: a 30-character city and
+    # a 9-digit population fit in ~50 tokens), so no run is cut short by the budget; seeded, so
+    # the run is the same every time.
+    params = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=64, structured_output=StructuredOutput(json=s))
+              for i, s in enumerate(schemas)]
     with continuous_batching(model, tokenizer=tok) as m:
         rid = m.add_request(chat[0], streaming=True, sampling_params=params[0])
         other = m.add_request(chat[1], sampling_params=params[1])
