@@ -8,8 +8,8 @@
   with the original's rounding (`engine/cpu_norm.py`, `engine/cpu_rotary.py`);
 - `argmax_rows`: greedy sampling's argmax over the vocabulary (`sampling/argmax.py`);
 - `kv_write`: a step's new K/V into the paged cache (`cache/paged_cache.py`);
-- `decoder_layer` and `decoder_stack`: a Llama-family decoder layer, or all of a step's layers,
-  as one call of the kernels above (`engine/cpu_layer.py`).
+- `decoder_stack`: Llama-family decoder layers (one, or all of a step's) as one call of the
+  kernels above (`engine/cpu_layer.py`).
 
 The library is compiled with the machine's own compiler the first time it is needed
 (`make setup` builds it ahead of time) into `$CONTBATCH_CACHE/ext/<hash>`, keyed by the

@@ -8,13 +8,15 @@
 // attention ops, aten's add, silu and mul), so its output is bit-identical; the engine checks
 // that at run time, once per layer variant and kind of step (engine/cpu_layer.py).
 //
-// `decoder_stack` runs every layer of a step in one call (the same function, layer after layer).
+// `decoder_stack` runs one or more consecutive layers of a step in one call (engine/cpu_layer.py:
+// one while a kind of step is checked, then every layer of the model), layer after layer.
 //
-// Layout of the arguments (engine/cpu_layer.py builds them):
+// Layout of the arguments (engine/cpu_layer.py builds them), each list one layer after the other:
 //   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
 //   biases, packed: one per linear (q, k, v, o, gate, up, down), None where it has none
 //   codes: the linears' routes, three kernel codes each (small_linear_cpu.cpp's routed_linear)
 //   eps: the norms' epsilons, in the weights' order
+//   key_caches, value_caches, scales, windows: one per layer
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -94,7 +96,7 @@ at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer) {
     shape.back() = y.size(-1);
     return y.view(shape);
   }
-  TORCH_CHECK(kernel == kAten, "decoder_layer: unknown kernel code ", kernel);
+  TORCH_CHECK(kernel == kAten, "decoder_stack: unknown kernel code ", kernel);
   return at::linear(x, weight, bias);
 }
 
@@ -199,45 +201,20 @@ at::Tensor layer_forward(const at::Tensor& hidden, const Layer& layer, const Ste
 }
 
 void check_step(const at::Tensor& hidden, const Step& step) {
-  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "decoder_layer: hidden [1, T, hidden]");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "decoder_stack: hidden [1, T, hidden]");
   const int64_t tokens = hidden.size(1);
   const int64_t decode_rows = step.decode_table.has_value() ? step.decode_table->size(0) : 0;
   const bool chunks = step.chunk_table.has_value();
   TORCH_CHECK(chunks == (step.chunk_q_start.has_value() && step.chunk_q_lens.has_value() &&
                          step.chunk_kv_lens.has_value()),
-              "decoder_layer: a prompt chunk table with its starts, lengths and key counts");
-  TORCH_CHECK(step.slots.size(0) == tokens, "decoder_layer: one slot per token");
+              "decoder_stack: a prompt chunk table with its starts, lengths and key counts");
+  TORCH_CHECK(step.slots.size(0) == tokens, "decoder_stack: one slot per token");
   TORCH_CHECK(step.decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
-              "decoder_layer: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
+              "decoder_stack: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
 }
 
-at::Tensor decoder_layer(const at::Tensor& hidden, at::TensorList weights,
-                         const c10::List<std::optional<at::Tensor>>& biases,
-                         const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
-                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
-                         const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
-                         const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
-                         const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
-                         int64_t block_size, double scale, int64_t window, int64_t head_dim) {
-  const bool qk_norm = weights.size() == 11;
-  TORCH_CHECK(weights.size() == 9 || qk_norm, "decoder_layer: 9 or 11 weights");
-  TORCH_CHECK(biases.size() == kLinears && packed.size() == kLinears && codes.size() == 3 * kLinears,
-              "decoder_layer: one bias, packed weight and route per linear");
-  TORCH_CHECK(eps.size() == (qk_norm ? 4u : 2u), "decoder_layer: one epsilon per norm");
-  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
-                  chunk_kv_lens, block_size, head_dim};
-  check_step(hidden, step);
-  const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
-  return layer_forward(hidden, Layer{weights, bias.data(), blocked.data(), codes, eps, key_cache, value_cache, scale,
-                                     window},
-                       step);
-}
-
-// Every decoder layer of a step, one after the other: what the model's own loop calls layer by
-// layer, without ~30 trips through Python (module call, argument lists) of ~30 us each. The
-// lists hold every layer's arguments one layer after the other, as decoder_layer takes them;
-// scales and windows one per layer.
+// Decoder layers of a step, one after the other: what the model's own loop calls layer by layer,
+// without a trip through Python (module call, argument lists) of ~30 us each between them.
 at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases,
                          const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
@@ -279,12 +256,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def(
-      "decoder_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, int[] codes, float[] eps, "
-      "Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor? decode_table, "
-      "Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, Tensor? chunk_q_lens, "
-      "Tensor? chunk_kv_lens, "
-      "int block_size, float scale, int window, int head_dim) -> Tensor");
-  m.def(
       "decoder_stack(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, int[] codes, float[] eps, "
       "Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slots, "
       "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
@@ -293,13 +264,11 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {
-  m.impl("decoder_layer", decoder_layer);
   m.impl("decoder_stack", decoder_stack);
 }
 
 // oneDNN's prepacked weights (opaque tensors of the MkldnnCPU key) among the arguments send the
 // call here: the same function, which passes them on to oneDNN's linear.
 TORCH_LIBRARY_IMPL(contbatch_cpu, MkldnnCPU, m) {
-  m.impl("decoder_layer", decoder_layer);
   m.impl("decoder_stack", decoder_stack);
 }

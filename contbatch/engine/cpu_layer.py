@@ -145,11 +145,21 @@ class FusedLayer:
         return packed
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "_StepInputs") -> torch.Tensor:
-        key_cache, value_cache = step.cache.kv(self.layer_idx)
-        return torch.ops.contbatch_cpu.decoder_layer(
-            hidden, self.weights(), self.biases(), self.packed(step.kind[0]), self.codes, self.eps, cos, sin,
-            key_cache, value_cache, step.slots, *step.decode, *step.chunks, step.block_size, self.scale,
-            self.window, self.head_dim)
+        return _one_call([self], self.codes, self.eps, [self.scale], [self.window], hidden, cos, sin, step)
+
+
+def _one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scales: list[float],
+              windows: list[int], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              step: "_StepInputs") -> torch.Tensor:
+    """`layers` (consecutive ones, one or all) as one `decoder_stack` call; `codes`, `eps`,
+    `scales` and `windows` are theirs, laid end to end."""
+    regime = step.kind[0]
+    caches = [step.cache.kv(f.layer_idx) for f in layers]
+    return torch.ops.contbatch_cpu.decoder_stack(
+        hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
+        [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
+        [v for _, v in caches], step.slots, *step.decode, *step.chunks, step.block_size, scales, windows,
+        layers[0].head_dim)
 
 
 @dataclass(eq=False)
@@ -160,7 +170,8 @@ class FusedStack:
     layers one by one with every layer's check passed (`known`) and showed the model's loop to
     be a plain chain: each layer called once, in order, on the previous layer's output (a model
     that scales, adds or reorders between layers never gets here). `decoder_stack` calls the
-    same function as `decoder_layer`, layer after layer: bit-identical by construction."""
+    same C++ layer function as one call per layer does, layer after layer: bit-identical by
+    construction."""
 
     layers: list[FusedLayer]
     modules: list[torch.nn.Module]
@@ -178,13 +189,7 @@ class FusedStack:
         return step.kind in self.kinds and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "_StepInputs") -> torch.Tensor:
-        regime = step.kind[0]
-        caches = [step.cache.kv(f.layer_idx) for f in self.layers]
-        out = torch.ops.contbatch_cpu.decoder_stack(
-            hidden, [w for f in self.layers for w in f.weights()], [b for f in self.layers for b in f.biases()],
-            [p for f in self.layers for p in f.packed(regime)], self.codes, self.eps, cos, sin,
-            [k for k, _ in caches], [v for _, v in caches], step.slots, *step.decode, *step.chunks,
-            step.block_size, self.scales, self.windows, self.layers[0].head_dim)
+        out = _one_call(self.layers, self.codes, self.eps, self.scales, self.windows, hidden, cos, sin, step)
         self.done = (step, out)
         return out
 
@@ -238,8 +243,7 @@ class _StepInputs:
     decode: tuple  # (block_table, kv_lens) of the leading decode rows, or (None, None)
     chunks: tuple  # (block_table, q_start, q_lens, kv_lens) of the prompt chunks, or four None
     block_size: int
-    rows: int
-    kind: tuple
+    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks)
 
 
 def _step_inputs(meta) -> _StepInputs | None:
@@ -257,7 +261,7 @@ def _step_inputs(meta) -> _StepInputs | None:
         kind = (0 if rows == 1 else 1 if rows <= NATIVE_MAX_ROWS else 2, d is not None, c is not None)
         inputs = _StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
                              (None,) * 4 if c is None else (c.block_table, c.q_start, c.q_lens, c.kv_lens),
-                             meta.cache.block_size, rows, kind)
+                             meta.cache.block_size, kind)
     meta.__dict__["_contbatch_fused"] = inputs
     return inputs
 
