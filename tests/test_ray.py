@@ -5,13 +5,17 @@ port); the real `openai` client checks greedy output against `model.generate` (a
 single-process server's tests do), streaming, the API key, per-replica /metrics, prefix-aware
 routing against random routing (on the engines' prefix-cache counters), and a replica killed
 mid-run. Ray Data runs 32 prompts on two actors against `generate_batch` in this process.
+`contbatch serve --ray-replicas` runs as a process of its own with its own Ray runtime, for
+what signals and deaths do to it and to the streams it serves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
-import socket
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +34,7 @@ from contbatch.ray.routing import REPLICA_HEADER
 from contbatch.server import ServerSettings
 
 from conftest import TINY_SERVER_CONTEXT, random_prompts, reference_generate
+from ray_cli import SSE_HEAD, FakeCall, free_port, start_ray_cli, wait_for
 
 CONTEXT = TINY_SERVER_CONTEXT
 BLOCK = 16
@@ -50,12 +55,6 @@ def ray_session():
     yield
     serve.shutdown()
     ray.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_spec(tiny_dir: Path) -> EngineSpec:
@@ -79,18 +78,6 @@ def cluster(ray_session, tiny_dir):
 def healthy(url: str, replica: str) -> bool:
     r = httpx.get(url + "/health", headers={REPLICA_HEADER: replica}, timeout=10)
     return r.status_code == 200 and r.headers.get(REPLICA_HEADER) == replica
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except (httpx.HTTPError, ray.exceptions.RayError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:
@@ -148,6 +135,132 @@ def test_prefix_key_and_rendezvous_order():
     assert len(set(owners.values())) == 4
     after = {k: rendezvous_order(k, replicas[:3])[0] for k in keys}
     assert all(after[k] == owners[k] for k in keys if owners[k] != "r3")
+
+
+def test_front_drain_lets_requests_finish_then_ends_the_rest_with_an_error_event():
+    """The front's drain: a stream that finishes within the timeout is untouched; one still in
+    flight at the timeout (stalled: no part arrives) is cancelled and ends with an error event
+    and [DONE], never just cut; the drain reports how many it ended and refuses new requests."""
+    from contbatch.ray.draining import FrontDrain
+    from contbatch.ray.forwarding import forward_body
+
+    async def scenario():
+        drain = FrontDrain()
+        quick, stalled = FakeCall([b"data: 1\n\n", b"data: [DONE]\n\n"]), FakeCall([b"data: 1\n\n"], stall=True)
+        outputs = {}
+
+        async def forward(name: str, call: FakeCall) -> None:
+            drain.enter(call)
+            try:
+                outputs[name] = b"".join([part async for part in forward_body(call, SSE_HEAD, drain.stopping)])
+            finally:
+                drain.leave(call)
+
+        tasks = [asyncio.create_task(forward("quick", quick)), asyncio.create_task(forward("stalled", stalled))]
+        await asyncio.sleep(0.05)
+        ended = await drain.drain(0.3)
+        await asyncio.gather(*tasks)
+        return drain, ended, outputs
+
+    drain, ended, outputs = asyncio.run(scenario())
+    assert ended == 1 and drain.draining and drain.inflight == 0
+    assert outputs["quick"] == b"data: 1\n\ndata: [DONE]\n\n"
+    events = outputs["stalled"].decode().split("\n\n")
+    assert events[0] == "data: 1" and events[2] == "data: [DONE]", events
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down" and "drain timeout" in error["message"]
+
+
+def test_front_drain_returns_at_once_when_nothing_is_in_flight():
+    from contbatch.ray.draining import FrontDrain
+
+    drain = FrontDrain()
+    t0 = time.perf_counter()
+    assert asyncio.run(drain.drain(30)) == 0 and time.perf_counter() - t0 < 1 and drain.draining
+
+
+def test_first_signal_drains_second_skips_the_drain_teardown_always_runs():
+    """`contbatch serve --ray-replicas`'s signal handling, on a stand-in: SIGTERM drains, a second
+    signal cuts the drain short, a third during the teardown is ignored; the exit status is 0."""
+    script = ("import time\n"
+              "from contbatch.ray.shutdown import run_until_signalled\n"
+              "def say(word):\n    print(word, flush=True)\n"
+              "def drain():\n    say('draining'); time.sleep(60); say('drained')\n"
+              "def teardown():\n    say('teardown'); time.sleep(1); say('torn down')\n"
+              "raise SystemExit(run_until_signalled(lambda: say('started'), drain, teardown))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line, sig in (("started", signal.SIGTERM), ("draining", signal.SIGINT), ("teardown", signal.SIGTERM)):
+            lines.append(proc.stdout.readline().strip())
+            assert lines[-1] == line, lines
+            proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stdout.read().split() == ["torn", "down"]  # the drain never finished; the teardown did
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# -- `contbatch serve --ray-replicas`: signals and deaths ----------------------------------
+# Each runs the CLI on a Ray runtime of its own (ray_cli.py); in file order, before this
+# module's session starts.
+@pytest.mark.slow
+def test_cli_sigterm_after_a_replica_death_drains_and_stops_ray(tiny_dir, tmp_path):
+    """Serve replaces a replica killed under it; one SIGTERM then drains, stops the Ray runtime
+    the CLI started with every one of its processes, and exits 0 (no abort, no orphans)."""
+    cli = start_ray_cli(tiny_dir, tmp_path, "--ray-replicas", "2")
+    try:
+        replicas = cli.processes("ContbatchServer")
+        assert len(replicas) == 2, replicas
+        os.kill(replicas[0], signal.SIGKILL)
+        wait_for(lambda: replicas[0] not in cli.processes("ContbatchServer")
+                 and len(cli.processes("ContbatchServer")) == 2, 120, "Serve to start a replacement replica")
+        wait_for(lambda: all(httpx.get(cli.url + "/health", timeout=5).status_code == 200 for _ in range(5)), 120,
+                 "the replacement to serve")
+        cli.proc.send_signal(signal.SIGTERM)
+        cli.exits_cleanly()
+        assert "draining Serve" in cli.log.read_text()
+    finally:
+        cli.end()
+
+
+@pytest.mark.slow
+def test_cli_streams_end_as_errors_when_the_front_dies_or_the_drain_times_out(tiny_dir, tmp_path):
+    """A stream never ends looking like a finished completion. The front killed outright: no
+    process is left to send an event, and the client sees a cut stream, an error. The server
+    draining on SIGTERM past --drain-timeout: the front is alive, and ends the stream with an
+    error event (no `finish_reason`) and `[DONE]`; the CLI exits 0 and leaves no process."""
+    cli = start_ray_cli(tiny_dir, tmp_path, "--ray-replicas", "1", "--drain-timeout", "1")
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 1000, "temperature": 0, "stream": True}
+    try:
+        [front] = cli.processes("ContbatchFront")
+        reasons = []
+        with pytest.raises(openai.APIConnectionError):
+            for chunk in client(cli.url).completions.create(**body, extra_body={"ignore_eos": True}):
+                reasons.append(chunk.choices[0].finish_reason if chunk.choices else None)
+                if len(reasons) == 3:
+                    os.kill(front, signal.SIGKILL)
+        assert len(reasons) >= 3 and not any(reasons), reasons  # cut: it never finished
+        wait_for(lambda: cli.processes("ContbatchFront") not in ([], [front])
+                 and httpx.get(cli.url + "/health", timeout=5).status_code == 200, 120, "Serve to replace the front")
+
+        events = []
+        with httpx.stream("POST", cli.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 1:
+                        cli.proc.send_signal(signal.SIGTERM)  # the drain: the stream outlasts its 1 s
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])
+        assert error["error"]["code"] == "server_shutting_down" and "drain timeout" in error["error"]["message"]
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+        cli.exits_cleanly()
+        assert "1 request(s) still in flight after 1 s ended with an error" in cli.log.read_text()
+    finally:
+        cli.end()
 
 
 # -- Serve --------------------------------------------------------------------------------

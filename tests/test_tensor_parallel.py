@@ -8,6 +8,7 @@ the server test can template chats. Ground truth is `model.generate` on an unsha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,6 +183,21 @@ def test_tp2_dead_driver_ends_the_worker(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_tp2_frozen_driver_ends_the_group(tiny_dir, tmp_path, monkeypatch):
+    """Rank 0 hangs while idle (SIGSTOP): its sockets stay open, but its heartbeat stops, so the
+    worker gives up after CONTBATCH_TP_TIMEOUT and exits 1; the launcher then gives rank 0 its
+    bound (the timeout + WORKER_EXIT_GRACE_S) and kills it."""
+    from contbatch.distributed.launch import WORKER_EXIT_GRACE_S
+
+    monkeypatch.setenv("CONTBATCH_TP_TIMEOUT", "5")
+    t0 = time.perf_counter()
+    status, res, worker = run_ranks(tiny_dir, tmp_path, "freeze_driver")
+    assert status == -signal.SIGKILL and res == {}
+    assert worker is not None and "rank 0 (the driver) stopped answering within 5 s" in worker["rank_failure"], worker
+    assert time.perf_counter() - t0 < 60 + 5 + WORKER_EXIT_GRACE_S  # start-up, the timeout, the bound
+
+
+@pytest.mark.slow
 def test_tp2_frozen_worker_fails_requests_after_the_timeout(tiny_dir, tmp_path, monkeypatch):
     """A worker that hangs (SIGSTOP) rather than dies: its sockets stay open, so only the
     collectives' timeout (CONTBATCH_TP_TIMEOUT) ends rank 0's wait."""
@@ -237,6 +253,116 @@ def test_tp2_server_answers_openai_client_like_tp1(tiny_dir, reference):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_launcher_fails_the_group_when_a_worker_dies(caplog):
+    """A worker that dies while rank 0 runs makes the launcher's status non-zero, with one line
+    that names the rank and how it ended, even when rank 0 itself exits 0."""
+    rank1_dies = ("import os, sys, time\n"
+                  "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), 9)\n"
+                  "time.sleep(1.5)\n")
+    with caplog.at_level("ERROR", logger="contbatch"):
+        status = spawn(2, [sys.executable, "-c", rank1_dies], timeout=60)
+    assert status == 1
+    [line] = [r.getMessage() for r in caplog.records if "rank 1" in r.getMessage()]
+    assert "was killed by SIGKILL while rank 0 was running" in line and "launcher exits with status 1" in line
+
+
+def start_tp_server(tiny_dir: Path, tmp_path: Path, **env: str) -> tuple[subprocess.Popen, str, Path]:
+    """`contbatch serve --tensor-parallel-size 2`, healthy; (launcher process, URL, its log)."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "contbatch.cli", "serve", "--model", str(tiny_dir), "--tensor-parallel-size", "2",
+           "--block-size", "16", "--num-blocks", "256", "--served-model-name", "tiny", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + RUN_TIMEOUT
+    while _health(url) != 200:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
+        assert time.time() < deadline, "the TP=2 server did not come up"
+        time.sleep(0.2)
+    return proc, url, log
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _rank_pids(log: Path) -> list[int]:
+    import re
+
+    match = re.search(r"started 2 tensor-parallel ranks \(pids (\d+), (\d+)\)", log.read_text())
+    assert match, log.read_text()
+    return [int(match.group(1)), int(match.group(2))]
+
+
+def _health_until_exit(proc: subprocess.Popen, url: str, limit: float) -> tuple[list[int | None], float]:
+    """/health, polled until the launcher exits (at most `limit` seconds): the statuses seen
+    (None: no answer) and the seconds it took."""
+    seen, t0 = [], time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < limit:
+        status = _health(url)
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        time.sleep(0.02)
+    return seen, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_tp2_server_ends_when_a_worker_is_killed(tiny_dir, tmp_path):
+    """No request in flight: rank 0's heartbeat finds the dead worker, /health says 503 at
+    once, and the launcher exits non-zero (a supervisor restarts it) instead of answering 503
+    forever."""
+    proc, url, log = start_tp_server(tiny_dir, tmp_path, CONTBATCH_TP_TIMEOUT="5")
+    worker = _rank_pids(log)[1]
+    try:
+        os.kill(worker, signal.SIGKILL)
+        seen, seconds = _health_until_exit(proc, url, 60)
+        assert proc.poll() is not None, f"the server still runs {seconds:.0f} s after its worker died: {seen}"
+        assert proc.returncode == 1
+        assert seen[0] == 200 and 503 in seen, seen  # 200 until the heartbeat saw it, then 503, then gone
+        assert seconds < 20
+        out = log.read_text()
+        assert f"tensor-parallel rank 1 (pid {worker}) was killed by SIGKILL while rank 0 was running" in out
+        assert "the tensor-parallel group failed, so this server drains and exits with status 1" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _rank_pids(log):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_tp2_server_ends_when_a_worker_hangs(tiny_dir, tmp_path):
+    """A frozen worker (SIGSTOP: alive, its sockets open) while the server idles: the heartbeat's
+    round trip times out after CONTBATCH_TP_TIMEOUT, /health says 503, the server drains and
+    exits non-zero, and the launcher kills the frozen rank rather than waiting for it."""
+    proc, url, log = start_tp_server(tiny_dir, tmp_path, CONTBATCH_TP_TIMEOUT="5")
+    worker = _rank_pids(log)[1]
+    try:
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        seen, seconds = _health_until_exit(proc, url, 60)
+        assert proc.poll() is not None, f"the server still runs {seconds:.0f} s after its worker froze: {seen}"
+        assert proc.returncode == 1
+        assert seen[0] == 200 and 503 in seen, seen
+        assert 4 < time.monotonic() - t0 < 30  # the timeout, then the drain and a short grace
+        out = log.read_text()
+        assert "stopped answering within 5 s" in out and "exits with status 1" in out
+        assert "rank 1 did not exit after rank 0; killing it" in out
+        with pytest.raises(ProcessLookupError):  # reaped: no frozen rank left behind
+            os.kill(worker, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _rank_pids(log):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -121,13 +121,24 @@ def scenario_kill_driver(manager, model, args) -> dict:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def scenario_freeze_driver(manager, model, args) -> dict:
+    """Rank 0 hangs (SIGSTOP) while idle: the worker hears nothing, not even a heartbeat, for
+    the timeout and must end (checked by the test), so that the launcher ends the group."""
+    ids = manager.add_requests(prompts(2, model.config.vocab_size),
+                               sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for rid in ids:
+        manager.get_result(rid, timeout=60)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def scenario_hang(manager, model, args) -> dict:
     return scenario_kill(manager, model, args, signal.SIGSTOP)
 
 
 SCENARIOS = {"generate": scenario_generate, "hard_stop": scenario_hard_stop,
              "kill": scenario_kill, "hang": scenario_hang, "pressure": scenario_pressure,
-             "kill_driver": scenario_kill_driver, "speculative": scenario_speculative}
+             "kill_driver": scenario_kill_driver, "freeze_driver": scenario_freeze_driver,
+             "speculative": scenario_speculative}
 CONFIGS = {"speculative": dict(block_size=4, max_batch_tokens=48, num_blocks=256,
                                speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
            "pressure": dict(block_size=4, num_blocks=14, max_batch_tokens=32, safety_margin=0.0, cpu_offload_space=1.0,
@@ -158,8 +169,9 @@ def main() -> None:
         if args.worker_out:
             with open(args.worker_out, "w") as f:
                 json.dump(report, f)
-        if "steps" in report:
-            dist.destroy_process_group()
+        if "steps" not in report:
+            raise SystemExit(1)  # as the CLI's worker does: the launcher sees a rank gone
+        dist.destroy_process_group()
         return
     config = ContinuousBatchingConfig(**CONFIGS.get(args.scenario, dict(block_size=4, max_batch_tokens=48,
                                                                          num_blocks=256)))

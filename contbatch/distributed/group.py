@@ -3,9 +3,15 @@
 Two groups carry a TP engine's traffic. The default group (torch.distributed's WORLD, NCCL on
 CUDA, gloo on the CPU) carries the model's own collectives, the all-reduces and gathers of its
 sharded layers. The engine's group (always gloo, so the host sends plain objects) carries what
-rank 0 tells the workers: the shared config at start, then each step. Its timeout differs per
-rank on purpose: rank 0 gives up on a silent worker after `CONTBATCH_TP_TIMEOUT` seconds,
-while workers wait as long as rank 0 idles (a dead rank 0 closes their sockets anyway).
+rank 0 tells the workers: the shared config at start, then each step, and while no step is
+sent a heartbeat (steps.py) whose round trip every worker must answer. Every rank gives up
+after `CONTBATCH_TP_TIMEOUT` seconds: rank 0 on a worker that does not answer (it hangs), a
+worker on a rank 0 that sends nothing (it hangs; an idle rank 0 still sends heartbeats). A
+rank that dies is seen at once: its sockets close.
+
+What happens then: the rank that sees it raises `RankFailure`; on rank 0 the engine fails
+every request with the reason and stops (`is_running()` turns False), and the handlers
+registered with `on_failure` run (the `contbatch` CLI ends its server with one: launch.py).
 
 Who destroys what: the engine destroys its own group (`ContinuousBatchingManager.destroy()`,
 idempotent); the default group belongs to whoever initialized it. `load_model(tp_plan=...)`
@@ -19,6 +25,7 @@ import dataclasses
 import logging
 import math
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -31,11 +38,30 @@ logger = logging.getLogger("contbatch")
 
 TIMEOUT_ENV = "CONTBATCH_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
-_WORKER_WAIT = timedelta(days=7)  # a worker waits for rank 0's next step as long as rank 0 idles
 
 
 class RankFailure(RuntimeError):
     """A rank stopped answering (died, hung, or its collectives failed): the engine cannot go on."""
+
+
+_failure_handlers: list[Callable[[RankFailure], None]] = []
+
+
+def on_failure(handler: Callable[[RankFailure], None]) -> Callable[[], None]:
+    """Call `handler(failure)` when rank 0's engine in this process finds its group broken (a
+    step or the heartbeat failed); at most once per engine. Returns the function that removes
+    the handler. Process-wide, as the default process group is."""
+    _failure_handlers.append(handler)
+    return lambda: _failure_handlers.remove(handler) if handler in _failure_handlers else None
+
+
+def report_failure(failure: RankFailure) -> None:
+    """Run the `on_failure` handlers (from whichever thread found the failure)."""
+    for handler in list(_failure_handlers):
+        try:
+            handler(failure)
+        except Exception:  # one handler's bug must not hide the failure from the others
+            logger.exception("contbatch: a tensor-parallel failure handler raised")
 
 
 def timeout_s() -> float:
@@ -116,8 +142,7 @@ class TensorParallel:
             raise ValueError(f"the model is sharded {size} ways but the process group has {dist.get_world_size()} "
                              "ranks; contbatch runs one TP group over the whole world")
         rank, limit = dist.get_rank(), timeout_s()
-        # Every rank must call new_group; each keeps its own timeout (see the module docstring).
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=limit) if rank == 0 else _WORKER_WAIT)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=limit))  # every rank must call it
         return cls(rank, size, dist.get_backend(), limit, group)
 
     @property
@@ -135,11 +160,20 @@ class TensorParallel:
         self._broadcast(box)
         return box[0]
 
+    def answer(self) -> None:
+        """The heartbeat's round trip, on every rank: a one-element all-reduce over the engine's
+        group. Rank 0 waits for every worker's part at most its timeout, so a worker that hangs
+        (alive, its sockets open) raises RankFailure there, as one that died does at once."""
+        self._collective(lambda: dist.all_reduce(torch.zeros(1), group=self.group))
+
     def _broadcast(self, box: list) -> None:
+        self._collective(lambda: dist.broadcast_object_list(box, src=0, group=self.group))
+
+    def _collective(self, run: Callable[[], object]) -> None:
         if self.group is None:
             raise RankFailure("the engine's tensor-parallel group was destroyed")
         try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            run()
         except Exception as exc:
             who = "a tensor-parallel worker rank" if self.is_driver else "tensor-parallel rank 0 (the driver)"
             raise RankFailure(f"{who} stopped answering within {self.timeout_s:.0f} s or died "

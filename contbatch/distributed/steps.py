@@ -13,12 +13,19 @@ a stop string is found by the detokenizer). Sending the batch cannot diverge, co
 broadcast a step, and needs no request state on the workers; sampled tokens reach them as
 the next step's input ids. The price: the step's inputs must be whole on the host when sent,
 so async batching (tokens carried over on the device) is off under TP.
+
+Liveness: a worker that dies or hangs while steps run fails the step (the model's collectives
+time out or break). While no step is sent, rank 0 sends a heartbeat every `HEARTBEAT_S` and
+waits for every worker's answer, so a rank lost while the engine idles is found as soon (a
+dead one within the interval, a hung one after the timeout) rather than at the next request;
+and a worker never waits for rank 0 longer than the timeout without hearing from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,11 +33,12 @@ import numpy as np
 import torch
 
 from ..engine.step_batch import StepBatch
-from .group import RankFailure, TensorParallel
+from .group import RankFailure, TensorParallel, report_failure
 
 logger = logging.getLogger("contbatch")
 
 _STATE_FIELDS = ("sampled", "chunks")  # request state: rank 0's alone, never sent
+HEARTBEAT_S = 1.0  # rank 0 sends a heartbeat when it has sent nothing for this long
 
 
 def pack_batch(batch: StepBatch) -> dict:
@@ -55,22 +63,28 @@ def unpack_batch(packed: dict) -> StepBatch:
 
 @dataclass
 class StepMessage:
-    """What rank 0 sends before a forward, or `stop` to end the workers' loop."""
+    """What rank 0 sends before a forward, `stop` to end the workers' loop, or `ping` (the
+    heartbeat: every worker answers with `TensorParallel.answer`)."""
 
     host_ops: list[tuple[str, tuple]] = field(default_factory=list)  # HostKVTier calls, in order
     batch: dict | None = None  # pack_batch's
     stop: bool = False
+    ping: bool = False
 
 
 class DriverRunner:
     """Rank 0's runner: the engine's own `StepRunner`, which first tells the workers. Any
     failure of a launch is final under TP (the ranks' collectives no longer meet), so the
-    first one is kept and raised again from then on."""
+    first one is kept and raised again from then on; the heartbeat (a thread of its own) keeps
+    a failure it finds the same way, for the engine loop's next `check()`. One lock orders
+    everything sent on the engine's group: steps, heartbeats, the stop."""
 
     def __init__(self, runner, tp: TensorParallel, host) -> None:
         # Set before __setattr__ routes anything: these few are ours, the rest the runner's.
-        self.__dict__.update(_runner=runner, _tp=tp, _ops=[], failure=None, send_seconds=0.0, sends=0)
+        self.__dict__.update(_runner=runner, _tp=tp, _ops=[], failure=None, send_seconds=0.0, sends=0,
+                             _lock=threading.Lock(), _last_send=time.monotonic(), _closed=threading.Event())
         host.listener = self._record
+        threading.Thread(target=self._heartbeat, name="contbatch-tp-heartbeat", daemon=True).start()
 
     def __getattr__(self, name):  # only for names not ours: the engine reads the runner through us
         return getattr(self._runner, name)
@@ -82,35 +96,60 @@ class DriverRunner:
         self._ops.append((op, tuple(list(a) if isinstance(a, list) else a for a in args)))
 
     def launch(self, batch: StepBatch, prev):
-        self.check()
-        message = StepMessage(self._ops, pack_batch(batch))
-        self._ops = []
-        try:
-            t0 = time.perf_counter()
-            self._tp.send(message)
-            self.send_seconds += time.perf_counter() - t0
-            self.sends += 1
-            return self._runner.launch(batch, prev)
-        except Exception as exc:  # raised as the RankFailure: the requests of the step fail with its words
-            if self.failure is None:
-                self.failure = exc if isinstance(exc, RankFailure) else RankFailure(
+        with self._lock:
+            self.check()  # under the lock: the heartbeat may have found a failure meanwhile
+            message = StepMessage(self._ops, pack_batch(batch))
+            self._ops = []
+            try:
+                t0 = time.perf_counter()
+                self._tp.send(message)
+                self.send_seconds += time.perf_counter() - t0
+                self.sends += 1
+                self._last_send = time.monotonic()
+                return self._runner.launch(batch, prev)
+            except Exception as exc:  # raised as the RankFailure: the requests of the step fail with its words
+                self._fail(exc if isinstance(exc, RankFailure) else RankFailure(
                     f"a tensor-parallel step failed on rank 0, so the engine stops (a worker rank died or hung, or "
-                    f"the step itself failed; the ranks are out of step): {type(exc).__name__}: {str(exc)[:200]}")
-            raise self.failure from exc
+                    f"the step itself failed; the ranks are out of step): {type(exc).__name__}: {str(exc)[:200]}"))
+                raise self.failure from exc
 
     def check(self) -> None:
         if self.failure is not None:
             raise self.failure
 
+    def _fail(self, failure: RankFailure) -> None:
+        """Keep the first failure, and report it (`group.on_failure`) once."""
+        if self.failure is None:
+            self.failure = failure
+            self._closed.set()
+            report_failure(failure)
+
+    def _heartbeat(self) -> None:
+        """While no step is sent: a ping, and every worker's answer within the timeout."""
+        while not self._closed.wait(HEARTBEAT_S / 4):
+            if time.monotonic() - self._last_send < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+                continue  # a step went out lately, or one is going out now: that is the heartbeat
+            try:
+                if self.failure is None and not self._closed.is_set():
+                    self._tp.send(StepMessage(ping=True))
+                    self._tp.answer()
+                    self._last_send = time.monotonic()
+            except RankFailure as exc:  # logged by the engine loop, which stops on it
+                self._fail(exc)
+            finally:
+                self._lock.release()
+
     def stop_workers(self) -> None:
         """Tell the workers to leave their loop (once; not after a failure: they are gone)."""
-        if self.failure is None and self._tp.group is not None:
-            try:
-                self._tp.send(StepMessage(self._ops, stop=True))
-            except RankFailure as exc:
-                logger.warning("contbatch: could not stop the tensor-parallel workers: %s", exc)
-            self.failure = RankFailure("the tensor-parallel workers were stopped with the manager; a stopped TP "
-                                       "manager cannot start again")
+        self._closed.set()  # no heartbeat from now on
+        with self._lock:
+            if self.failure is None and self._tp.group is not None:
+                try:
+                    self._tp.send(StepMessage(self._ops, stop=True))
+                except RankFailure as exc:
+                    logger.warning("contbatch: could not stop the tensor-parallel workers: %s", exc)
+                self.failure = RankFailure("the tensor-parallel workers were stopped with the manager; a stopped TP "
+                                           "manager cannot start again")
 
 
 def run_worker_loop(manager) -> int:
@@ -130,6 +169,9 @@ def run_worker_loop(manager) -> int:
         with torch.inference_mode():
             while True:
                 message: StepMessage = tp.recv()
+                if message.ping:
+                    tp.answer()
+                    continue
                 for op, args in message.host_ops:
                     getattr(core.host, op)(*args)
                 if message.stop:

@@ -50,16 +50,12 @@ against `model.generate` in the test suite like every kernel choice.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import os
 import time
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -67,6 +63,7 @@ import torch
 from .. import native
 from ..attention import ops
 from ..config import CPU_LINEAR_KERNELS
+from .probe_store import ProbeStore
 
 KERNELS = CPU_LINEAR_KERNELS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -278,68 +275,6 @@ def _probe(out_features: int, in_features: int, rows: int, pool: ProbePool, kern
                      for k in kernels}
         _store.put(key, times)
     return times
-
-
-@functools.cache
-def _machine() -> str:
-    """The probe file's name: our kernels' build key (sources, torch, CPU flags) and the CPU model."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        model = ""
-    return hashlib.sha256(f"{native.build_key()}|{model}".encode()).hexdigest()[:16]
-
-
-@dataclass
-class ProbeStore:
-    """Probe timings by product, for this process and persisted in $CONTBATCH_CACHE per machine:
-    a later process routes the same way without probing (2-7 s of every start on the default
-    model), and so rounds the same way: two runs of one job give the same tokens. Delete the
-    file (its path is in the start-up line) to probe again. Read on first use."""
-
-    path: Path | None = None
-    times: dict[str, dict[str, float]] = field(default_factory=dict)
-    from_file: set[str] = field(default_factory=set)
-    hits: int = 0  # verdicts taken from the file in this process
-    probed: int = 0  # products timed in this process
-    unsaved: bool = False
-
-    def get(self, key: str) -> dict[str, float] | None:
-        if self.path is None:
-            from ..models import cache_dir
-
-            self.path = cache_dir() / "linear_probe" / f"{_machine()}.json"
-            loaded = self._read()  # an absent, empty or damaged file probes as before
-            self.times, self.from_file = {**loaded, **self.times}, set(loaded)
-        self.hits += key in self.from_file
-        return self.times.get(key)
-
-    def put(self, key: str, times: dict[str, float]) -> None:
-        self.times[key] = times
-        self.probed += 1
-        self.unsaved = True
-
-    def save(self) -> None:
-        """Write this process's timings next to those already in the file (atomically: managers
-        of two processes may save at once)."""
-        if not self.unsaved or self.path is None:
-            return
-        self.unsaved = False
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**self._read(), **self.times}, indent=0, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as exc:  # a read-only cache: probe again next time
-            logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
-
-    def _read(self) -> dict[str, dict[str, float]]:
-        try:
-            loaded = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return loaded if isinstance(loaded, dict) else {}
 
 
 _store = ProbeStore()

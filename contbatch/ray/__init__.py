@@ -9,6 +9,8 @@ deep inside a deployment. docs/ray.md says what runs where.
 - `routing.py`: `PrefixAwareRouter`, a Serve request router (prefix hash, load tie-break).
 - `data.py`: `ContbatchPredictor` for `Dataset.map_batches`, and `generate(ds, ...)`.
 - `spec.py`: `EngineSpec`, what each actor needs to build its engine.
+- `draining.py`: the front's drain; `shutdown.py`: how `contbatch serve --ray-replicas` ends
+  on a signal (the drain, Serve, then the Ray runtime it started).
 """
 
 from __future__ import annotations

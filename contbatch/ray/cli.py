@@ -24,7 +24,8 @@ logger = logging.getLogger("contbatch.ray")
 
 
 def _init(args: argparse.Namespace) -> None:
-    """Join `--ray-address` (e.g. 'auto' after `ray start --head`), else start a local cluster."""
+    """Join `--ray-address` (e.g. 'auto' after `ray start --head`), else start a local cluster
+    (stopped with every one of its processes by `ray.shutdown()` at the end)."""
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")
     logger.info("contbatch.ray: cluster resources %s", json.dumps(ray.cluster_resources()))
 
@@ -40,7 +41,8 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     from ..server.serve import ATTN_IMPLEMENTATIONS, server_settings
-    from .serve import ServeOptions, run_serve
+    from .serve import ServeOptions, drain_front, run_serve
+    from .shutdown import run_until_signalled
 
     settings = server_settings(args)
     # As `contbatch serve` builds it (server/serve.py::cmd_serve), for each replica.
@@ -63,16 +65,24 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
               "api_key_required": bool(settings.api_keys), "attn_implementation": ATTN_IMPLEMENTATIONS[args.attn_implementation],
               "ray": dataclasses.asdict(options), "engine_config": dataclasses.asdict(config)}
     print("contbatch serve (Ray): resolved configuration\n" + json.dumps(banner, indent=2, default=str), flush=True)
-    run_serve(spec, settings, options)
-    print(f"contbatch serve (Ray): ready at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", flush=True)
-    try:
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
+
+    def start() -> None:
+        run_serve(spec, settings, options)
+        print(f"contbatch serve (Ray): ready at http://{args.host}:{args.port}/v1 (SIGTERM or Ctrl-C drains and "
+              "stops it)", flush=True)
+
+    def drain() -> None:
+        # The front first (Serve's own shutdown would cut the proxies' connections at once),
+        # then Serve.
+        ended = drain_front(settings.drain_timeout_s, options.app_name)
+        if ended:
+            logger.warning("contbatch.ray: %d request(s) still in flight after %.0f s ended with an error",
+                           ended, settings.drain_timeout_s)
         serve.shutdown()
-    return 0
+
+    # Then the Ray runtime this process started, with every process of it (joined with
+    # --ray-address, this process only disconnects: the cluster stays).
+    return run_until_signalled(start, drain=drain, teardown=ray.shutdown)
 
 
 def cmd_generate_ray(args: argparse.Namespace) -> int:

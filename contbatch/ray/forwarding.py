@@ -7,7 +7,8 @@ as in `contbatch serve`. The replica yields a head (`{"status", "headers"}`) and
 chunks as the app sends them, so streamed completions stay streamed end to end.
 
 Replica death is the one failure the app cannot answer itself: the front turns it into a 503
-before the head, or an error event then `[DONE]` inside an event stream, never a hang.
+before the head, or an error event then `[DONE]` inside an event stream, never a hang. The
+front's drain (`draining.py`) ends what is still in flight at its timeout the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from collections.abc import AsyncIterator
 
 from ..server.errors import error_body
 from ..server.formatting import sse
+from .draining import shutting_down_body
 from .routing import REPLICA_HEADER, HTTPCall
 
 logger = logging.getLogger("contbatch.ray")
 
 _END = object()
+DRAIN_ENDED = "the server is shutting down: the request did not finish within the drain timeout"
 
 
 def http_scope(call: HTTPCall) -> dict:
@@ -91,18 +94,33 @@ def replica_lost(exc: BaseException) -> dict:
                            "retry: Serve replaces it", code="replica_unavailable")
 
 
-async def forward_body(parts, head: dict) -> AsyncIterator[bytes]:
-    """The body parts after `head`; a replica lost mid-stream ends an event stream with an
-    error event and `[DONE]` (a plain body just ends short: its client sees a broken read)."""
+async def forward_body(parts, head: dict, stopping: asyncio.Event | None = None) -> AsyncIterator[bytes]:
+    """The body parts after `head`. An event stream whose replica is lost mid-stream, or that
+    the front's drain ends (`stopping` set, see `draining.py`), ends with an error event and
+    `[DONE]`: never cut short in a way that could pass for a finished completion (the error
+    event has no `finish_reason`). A plain body is cut instead: its client sees a read short
+    of its Content-Length, an error."""
     streaming = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
+    ended: dict | None = None
     try:
-        async for part in parts:
-            yield part
-    except Exception as exc:  # RayActorError, ActorDiedError, ... : the replica is gone
-        logger.warning("contbatch.ray: replica lost mid-response: %r", exc)
-        if not streaming:
-            raise
-        yield (sse(replica_lost(exc)) + sse("[DONE]")).encode()
+        try:
+            async for part in parts:
+                if stopping is not None and stopping.is_set():
+                    ended = shutting_down_body(DRAIN_ENDED)
+                    break
+                yield part
+        except Exception as exc:  # RayActorError, ActorDiedError, ... : the replica is gone, or the drain cancelled it
+            if stopping is not None and stopping.is_set():
+                ended = shutting_down_body(DRAIN_ENDED)
+            else:
+                logger.warning("contbatch.ray: replica lost mid-response: %r", exc)
+                ended = replica_lost(exc)
+            if not streaming:
+                raise
+        if ended is not None:
+            if not streaming:
+                raise RuntimeError(ended["error"]["message"])
+            yield (sse(ended) + sse("[DONE]")).encode()
     finally:
         with contextlib.suppress(Exception):
             parts.cancel()

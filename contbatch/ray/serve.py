@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -28,7 +28,8 @@ from ..engine.manager import ContinuousBatchingManager
 from ..server.app import build_app
 from ..server.errors import error_body
 from ..server.settings import MAX_SIZED_BODY_BYTES, ServerSettings
-from .forwarding import forward_body, replica_lost, run_asgi
+from .draining import FLUSH_S, FrontDrain, shutting_down_body
+from .forwarding import DRAIN_ENDED, forward_body, replica_lost, run_asgi
 from .routing import REPLICA_HEADER, HTTPCall, PrefixAwareRouter, prefix_key
 from .spec import EngineSpec
 
@@ -162,15 +163,19 @@ class ContbatchFront:
     """The HTTP ingress: reads a request, keys it by its prompt, forwards it to a replica.
 
     A plain deployment whose `__call__` takes every path (Serve allows one FastAPI ingress
-    per application, and that is the replicas' app)."""
+    per application, and that is the replicas' app). `drain` is what `contbatch serve
+    --ray-replicas` calls on a shutdown signal, before Serve tears down (`draining.py`)."""
 
     def __init__(self, replicas, settings: ServerSettings) -> None:
         self.replicas = replicas.options(stream=True, method_name="handle_http")
         # A replica sizes its own limit from its context; the front only stops bodies no replica
         # would accept (it must hold the body to key it): the configured limit, else the largest sized one.
         self.max_body = settings.max_body_bytes or MAX_SIZED_BODY_BYTES
+        self._drain = FrontDrain()
 
     async def __call__(self, request: Request) -> Response:
+        if self._drain.draining:
+            return JSONResponse(shutting_down_body(), status_code=503, headers={"Retry-After": "5", "Connection": "close"})
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -180,12 +185,24 @@ class ContbatchFront:
                         bytes(body), prefix_key(bytes(body)) if request.method == "POST" else None,
                         request.headers.get(REPLICA_HEADER))
         parts = self.replicas.remote(call)
+        self._drain.enter(parts)
         try:
             head = await parts.__anext__()
-        except Exception as exc:  # the replica died or could not be reached before answering
+        except BaseException as exc:  # the replica died or could not be reached before answering, or the drain ended it
+            self._drain.leave(parts)
+            if not isinstance(exc, Exception):  # cancelled: the client went away
+                raise
+            if self._drain.stopping.is_set():
+                return JSONResponse(shutting_down_body(DRAIN_ENDED), status_code=503)
             logger.warning("contbatch.ray: request to %s failed before its response: %r", call.path, exc)
             return JSONResponse(replica_lost(exc), status_code=503)
-        return StreamingResponse(forward_body(parts, head), status_code=head["status"], headers=dict(head["headers"]))
+        return self._drain.response(forward_body(parts, head, self._drain.stopping), parts, status_code=head["status"],
+                                    headers=dict(head["headers"]))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (503), let those in flight finish for up to `timeout_s`, then end
+        the rest with an error; returns how many were ended. Not undone: Serve's teardown follows."""
+        return await self._drain.drain(timeout_s)
 
 
 def build_serve_app(spec: EngineSpec, settings: ServerSettings, options: ServeOptions):
@@ -203,6 +220,17 @@ def run_serve(spec: EngineSpec, settings: ServerSettings, options: ServeOptions,
                 options.host, options.port, json.dumps(asdict(options)))
     return serve.run(build_serve_app(spec, settings, options), name=options.app_name, route_prefix="/",
                      blocking=blocking)
+
+
+def drain_front(timeout_s: float, app_name: str = DEFAULT_APP_NAME) -> int | None:
+    """Drain the app's front (`ContbatchFront.drain`): returns how many requests it had to end,
+    or None if it could not be reached (Serve's teardown then cuts what is in flight)."""
+    front = serve.get_deployment_handle("ContbatchFront", app_name)
+    try:
+        return front.drain.remote(timeout_s).result(timeout_s=timeout_s + FLUSH_S + 10)
+    except Exception as exc:  # the front is gone or being replaced: nothing left to drain through it
+        logger.warning("contbatch.ray: could not drain the front (%r); stopping Serve now", exc)
+        return None
 
 
 def replica_actors(app_name: str = DEFAULT_APP_NAME) -> dict[str, ray.actor.ActorHandle]:
