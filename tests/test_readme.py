@@ -7,6 +7,7 @@ machine cannot fail it.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -52,25 +53,75 @@ def _serve(model, tokenizer):
     return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server, thread
 
 
+def _check_entry_points(ns: dict, printed: str) -> None:
+    """Block 1: results keyed in input order; the stream's tokens are the blocking call's; the
+    long-lived manager was configured as asked and is stopped."""
+    results, tok = ns["results"], ns["tokenizer"]
+    assert list(results) == ["req_0", "req_1"] and all(o.is_finished for o in results.values())
+    assert "Paris" in tok.decode(results["req_0"].generated_tokens)  # greedy: the same answer every run
+    streamed = [int(t) for t in re.findall(r"^\[(\d+)\]$", printed, flags=re.M)]
+    assert streamed[:-1] == results["req_0"].generated_tokens[: len(streamed) - 1]  # chunks, then the final
+    assert "GenerationOutput(" in printed and "block_size=64" in printed
+    assert ns["manager"].resolved_config.block_size == 64 and not ns["manager"].is_running()
+
+
+def _check_sampling(ns: dict, printed: str) -> None:
+    out = ns["out"]
+    assert len(out.samples) == 4
+    for sample in out.samples:
+        assert len(sample.logprobs) == len(sample.generated_tokens) > 0
+        assert all(lp <= 0 for lp in sample.logprobs)
+        assert all(0 < len(top) <= 5 for top in sample.top_logprobs)
+        assert "\n\n" not in sample.text and len(sample.generated_tokens) <= 64
+
+
+def _check_structured(ns: dict, printed: str) -> None:
+    value = json.loads(ns["out"].text)
+    assert ns["out"].finish_reason == "stop" and set(value) == {"city", "population"}
+    assert isinstance(value["city"], str) and type(value["population"]) is int and 0 <= value["population"] <= 10**8
+    assert ns["out"].text in printed
+
+
+def _check_speculative(ns: dict, printed: str) -> None:
+    out = ns["out"]
+    assert 0 < out.spec_accepted_tokens <= out.spec_draft_tokens
+    assert f"({out.spec_accepted_tokens} of {out.spec_draft_tokens} proposed tokens accepted)" in printed
+
+
+def _check_rl(ns: dict, printed: str) -> None:
+    group, manager = ns["group"], ns["manager"]
+    assert len(group) == 4 and all(len(s.logprobs) == 8 and all(lp <= 0 for lp in s.logprobs) for s in group)
+    assert manager.weight_version == 2 and printed.strip().endswith("2") and not manager.is_running()
+
+
+def _check_server(ns: dict, printed: str) -> None:
+    choice = ns["chat"].choices[0]
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert ns["chat"].model == "SmolLM2-135M-Instruct" and 0 < ns["chat"].usage.completion_tokens <= 32
+
+
+# What each block promises, in the README's order (a block added there needs its check here).
+CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_server]
+
+
 def test_readme_python_blocks_run(capsys):
+    blocks = python_blocks()
+    assert len(blocks) == len(CHECKS), "the README's examples changed: give each block its check"
     namespace: dict = {"__name__": "__readme__"}
     served = None
     try:
-        for i, block in enumerate(python_blocks()):
+        for i, (block, check) in enumerate(zip(blocks, CHECKS)):
             if README_URL in block:
                 if served is None:
                     served = _serve(namespace["model"], namespace["tokenizer"])
                 block = block.replace(README_URL, served[0])
+            capsys.readouterr()
             try:
                 exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
             except Exception as exc:
                 pytest.fail(f"README python block {i + 1} failed: {exc!r}\n{block}")
+            check(namespace, capsys.readouterr().out)
     finally:
         if served is not None:
             served[1].should_exit = True
             served[2].join(30)
-    # The examples did what they say, not just ran.
-    results = namespace["results"]
-    assert set(results) == {"req_0"} | ({"req_1"} if len(namespace["prompts"]) > 1 else set())
-    assert all(out.is_finished and out.generated_tokens for out in results.values())
-    assert namespace["chat"].choices[0].message.content

@@ -666,7 +666,7 @@ def test_sigterm_drains_in_flight_and_exits_zero(tiny_dir):
             assert refused.json()["error"]["code"] == "server_shutting_down"
             chunks += [line for line in lines if line.startswith("data:")]
         assert chunks[-1] == "data: [DONE]"
-        assert json.loads(chunks[-2].removeprefix("data:"))["choices"][0]["finish_reason"] == "length"
+        assert json.loads(chunks[-2].removeprefix("data:"))["choices"][0]["finish_reason"] == "length", chunks[-3:]
         assert proc.wait(timeout=60) == 0
         out = proc.stdout.read()
         assert "resolved configuration" in out and "drained" in out

@@ -218,3 +218,102 @@ def test_return_logprobs_config_and_training_while_attached():
     assert torch.equal(loss, twin_loss)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_admin_commands_raced_from_threads_never_expose_partial_weights(models, monkeypatch):
+    """Pause, resume, update and prefix resets raced from four threads while requests run:
+    every step sees one whole version of the weights (each update fills every tensor with its
+    version number; the copy is slowed down, a tensor at a time, to leave room for a race)."""
+    from contbatch.engine import control
+
+    def slow_copy(pairs):
+        for target, source in pairs:
+            time.sleep(0.002)
+            with torch.no_grad():
+                target.copy_(source)
+
+    monkeypatch.setattr(control, "copy_weights", slow_copy)
+    w0, _ = models
+    params = [p for _, p in w0.named_parameters()]
+    names = [n for n, _ in w0.named_parameters()]
+    seen: list[set[float]] = []
+
+    def probe(module, args):  # the engine thread, at the start of every step's forward
+        seen.append({float(params[0].flatten()[0]), float(params[len(params) // 2].flatten()[-1]),
+                     float(params[-1].flatten()[-1])})
+
+    w0.register_forward_pre_hook(probe)
+    manager = _manager(w0, max_batch_tokens=24)
+    manager.start()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def racer(seed: int) -> None:
+        import random
+
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                op = rng.choice(["pause", "resume", "update", "reset"])
+                if op == "update":
+                    version = float(rng.randint(1, 1000))
+                    manager.update_weights({n: torch.full_like(p, version) for n, p in zip(names, params)},
+                                           inflight=rng.choice(["recompute", "keep"]))
+                elif op == "reset":
+                    manager.reset_prefix_cache()
+                else:
+                    getattr(manager, op)()
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        ids = manager.add_requests(random_prompts(12, 2, 20, seed=4), max_new_tokens=6)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        manager.pause()
+        manager.resume()
+        outs = [manager.get_result(rid, timeout=120) for rid in ids]
+    finally:
+        stop.set()
+        manager.stop(timeout=30)
+    assert not errors, errors
+    assert all(o.error is None for o in outs)
+    updated = [v for v in seen if any(x == int(x) and x >= 1 for x in v)]  # the random W0 has no integers
+    mixed = [v for v in updated if len(v) > 1]
+    assert updated and mixed == [], f"{len(mixed)} steps saw weights of two versions at once: {mixed[:3]}"
+
+
+def test_an_admin_command_that_waits_too_long_is_told_which_one_runs(models, monkeypatch):
+    from contbatch.engine import control
+    from contbatch.engine.control import AdminBusy
+
+    w0, _ = models
+    started = threading.Event()
+    real = control.copy_weights
+
+    def slow(pairs):
+        started.set()
+        time.sleep(0.6)
+        real(pairs)
+
+    monkeypatch.setattr(control, "copy_weights", slow)
+    manager = _manager(w0)
+    manager.start()
+    try:
+        updater = threading.Thread(target=manager.update_weights, args=(w0.state_dict(),))
+        updater.start()
+        assert started.wait(30)
+        with pytest.raises(AdminBusy, match=r"\(weights\)"):
+            manager.pause(wait=0.05)
+        assert manager.admin_operation() == "weights"
+        manager.pause(wait=30)  # waits its turn, then pauses
+        updater.join(30)
+        assert manager.is_paused() and manager.weight_version == 1 and manager.admin_operation() is None
+        manager.resume()
+    finally:
+        manager.stop(timeout=30)

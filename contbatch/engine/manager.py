@@ -16,19 +16,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import torch
 from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
 from .cpu_routers import CpuRouters
-from .control import CONTROL, EngineControl
+from .control import CONTROL, AdminLock, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..distributed.group import RankFailure, TensorParallel
 from ..distributed.steps import DriverRunner
 from ..requests import GenerationOutput, RequestState, RequestStatus
 from ..sampling.params import SamplingParams
+from ..sampling.structured import StructuredOutput
 from ..scheduling.scheduler import Scheduler
 from .core import EngineCore
 from .resolve import describe, resolve_config
@@ -81,6 +83,7 @@ class ContinuousBatchingManager(EngineControl):
         self._routers: CpuRouters | None = None
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
         self._paused = False  # no step is scheduled while set; requests wait with their KV
+        self._admin = AdminLock()  # admin commands (control.py) one at a time
 
     @property
     def cache(self) -> PagedAttentionCache | None:
@@ -188,6 +191,7 @@ class ContinuousBatchingManager(EngineControl):
         self._thread = None
         # Anything that slipped into the inbox as the thread exited still gets an answer.
         self._fail_all("manager stopped before the request was scheduled")
+        self._builder.close_grammars()  # grammar compile worker processes (compiled grammars stay cached)
 
     def destroy(self) -> None:
         """Stop (hard) and free the KV cache; the manager cannot start again. Under tensor
@@ -256,6 +260,16 @@ class ContinuousBatchingManager(EngineControl):
             raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
         self._submit(self._prefix_order(groups), queue_chunks)
         return [g[0].parent_id for g in groups]
+
+    def compile_grammar(self, spec: StructuredOutput) -> Future:
+        """Start compiling a structured-output spec, or find it compiled, before submitting it:
+        a server awaits this future to answer a spec that does not compile (a `ValueError`, such
+        as `GrammarTooSlow`) with 400 before the request is queued, and calls `abandon_grammar`
+        when its client has gone (a compile nobody waits for is stopped)."""
+        return self._builder.grammar_compiler().compile(spec)
+
+    def abandon_grammar(self, spec: StructuredOutput) -> None:
+        self._builder.grammar_compiler().abandon(spec)
 
     def cancel_request(self, request_id: str) -> None:
         self._check_driver("cancel_request")
@@ -376,10 +390,13 @@ class ContinuousBatchingManager(EngineControl):
                     break
                 if busy:
                     self.core.step()
-                    if isinstance(self.core.runner, DriverRunner):
-                        self.core.runner.check()  # a rank gone: stop here, failing everything
-        except Exception as exc:  # a bug in the loop itself: fail everything, lose nothing
-            logger.exception("contbatch engine loop crashed")
+                if isinstance(self.core.runner, DriverRunner):  # busy or idle (the TP heartbeat):
+                    self.core.runner.check()  # a rank gone: stop here, failing everything
+        except Exception as exc:  # a bug in the loop itself, or a rank gone: fail everything, lose nothing
+            if isinstance(exc, RankFailure):  # the reason is the whole story: no traceback
+                logger.error("contbatch engine stopped: %s", exc)
+            else:
+                logger.exception("contbatch engine loop crashed")
             with self._results.lock():
                 self._accepting = False
             self._fail_all(str(exc) if isinstance(exc, RankFailure) else f"engine loop crashed: {exc!r}")
@@ -400,13 +417,12 @@ class ContinuousBatchingManager(EngineControl):
                 for rid in self._samples.get(payload, [payload]):
                     self.core.cancel(rid)
             elif kind in CONTROL:
-                arg, done, box = payload
                 try:
-                    box["result"] = self._do_control(kind, arg)
+                    result = self._do_control(kind, payload[0])
                 except Exception as exc:  # handed to the caller, who raises it
-                    box["error"] = exc
-                finally:
-                    done.set()
+                    self._answer(payload, error=exc)
+                else:
+                    self._answer(payload, result)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -423,8 +439,7 @@ class ContinuousBatchingManager(EngineControl):
             if kind == "add":
                 pending.append(payload)
             elif kind in CONTROL:  # a caller waits on it: answer, never leave it hanging
-                payload[2]["error"] = RuntimeError("the manager stopped before the command ran")
-                payload[1].set()
+                self._answer(payload, error=RuntimeError("the manager stopped before the command ran"))
         if self.core is not None:
             self.core.fail_all(reason, pending)
 

@@ -130,10 +130,20 @@ class RequestBuilder:
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler for this tokenizer and vocabulary, built once (by whichever thread
         submits the first structured request)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer: pass tokenizer= to the manager or generate_batch")
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.defaults.eos_token_ids))
             return self._grammars
+
+    def close_grammars(self) -> None:
+        """Stop the grammar compiler's worker processes (never waits on a compile); compiled
+        grammars stay cached, and a later spec that needs a worker starts a new one."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        if grammars is not None:
+            grammars.close()
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
         r = self.resolved

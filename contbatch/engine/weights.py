@@ -37,17 +37,24 @@ def weight_pairs(model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | I
             raise ValueError(f"weights must be a state dict or (name, tensor) pairs, got {type(entry).__name__}")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
-        target = targets.get(name)
-        if target is None:
-            close = [n for n in targets if n.endswith(name) or name.endswith(n)][:3]
-            hint = f" (did you mean {close}?)" if close else ""
-            raise ValueError(f"unknown weight {name!r}: not a parameter or buffer of {type(model).__name__}{hint}")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+        target = check_target(model, targets, name, tuple(tensor.shape))
         if tensor.dtype != target.dtype and not (tensor.is_floating_point() and target.is_floating_point()):
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be copied into the model's {target.dtype}")
         pairs.append((target, tensor))
     return pairs
+
+
+def check_target(model: torch.nn.Module, targets: Mapping[str, torch.Tensor], name: str,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """The model's tensor called `name`, or `ValueError` if it has none or another shape."""
+    target = targets.get(name)
+    if target is None:
+        close = [n for n in targets if isinstance(name, str) and (n.endswith(name) or name.endswith(n))][:3]
+        hint = f" (did you mean {close}?)" if close else ""
+        raise ValueError(f"unknown weight {name!r}: not a parameter or buffer of {type(model).__name__}{hint}")
+    if shape != tuple(target.shape):
+        raise ValueError(f"{name}: shape {shape} does not match the model's {tuple(target.shape)}")
+    return target
 
 
 @torch.no_grad()
@@ -56,17 +63,68 @@ def copy_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         target.copy_(source)
 
 
-def read_safetensors(path: str | Path, allowed_dir: str | Path | None) -> dict[str, torch.Tensor]:
-    """A safetensors file that must lie under `allowed_dir` (the server's `--weights-dir`): a
-    client names a file, it never reads an arbitrary path."""
-    from safetensors.torch import load_file
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux; a component holds at most 255 bytes (NAME_MAX)
 
+
+def weights_file(path: str, allowed_dir: str | Path | None) -> Path:
+    """The `.safetensors` file `path` names under `allowed_dir` (the server's `--weights-dir`):
+    a client names a file, it never reads an arbitrary path. `PermissionError` when loading from
+    disk is off; `ValueError` naming the problem for every other bad path (NUL bytes, text that
+    is not UTF-8, over-long names, symlink loops, a path outside the folder, a directory, a
+    missing file)."""
     if allowed_dir is None:
         raise PermissionError("loading weights from disk is off: start the server with --weights-dir")
+    if not isinstance(path, str) or not path:
+        raise ValueError("path must be a non-empty string naming a .safetensors file in the weights directory")
+    if "\x00" in path:
+        raise ValueError("the path holds a NUL byte")
+    try:
+        raw = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the path is not valid Unicode text (a lone surrogate)") from None
+    if len(raw) > MAX_PATH_BYTES or any(len(part.encode()) > 255 for part in path.split("/")):
+        raise ValueError(f"the path is too long (at most {MAX_PATH_BYTES} bytes, 255 per name)")
     root = Path(allowed_dir).resolve()
-    target = (root / path).resolve()
+    try:
+        target = (root / path).resolve()
+        is_file = target.is_file()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise ValueError(f"the path {path!r} cannot be resolved: {exc}") from None
     if not target.is_relative_to(root):
-        raise PermissionError(f"{path!r} is outside the weights directory")
-    if target.suffix != ".safetensors" or not target.is_file():
-        raise FileNotFoundError(f"no .safetensors file {path!r} in the weights directory")
-    return load_file(str(target))
+        raise ValueError(f"{path!r} is outside the weights directory")
+    if target.suffix != ".safetensors":
+        raise ValueError(f"{path!r} is not a .safetensors file")
+    if not is_file:
+        what = "a directory" if target.is_dir() else "not an existing file"
+        raise ValueError(f"{path!r} is {what} in the weights directory")
+    return target
+
+
+def read_safetensors(path: str, allowed_dir: str | Path | None, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of a `.safetensors` file under `allowed_dir` (`weights_file`), their names
+    and shapes checked against `model` from the file's header before any tensor is read (a
+    file larger than the model is never loaded). A file that is empty, truncated or corrupt is
+    a `ValueError` naming it."""
+    from safetensors import safe_open
+
+    target = weights_file(path, allowed_dir)
+    targets = model.state_dict(keep_vars=True)
+
+    def unreadable(exc: Exception) -> ValueError:  # SafetensorError, OSError, a header that does not parse
+        return ValueError(f"{path!r} is not a valid safetensors file: {type(exc).__name__}: {exc}")
+
+    try:
+        handle = safe_open(str(target), framework="pt")
+    except Exception as exc:
+        raise unreadable(exc) from None
+    with handle as f:
+        try:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except Exception as exc:
+            raise unreadable(exc) from None
+        for name, shape in shapes.items():
+            check_target(model, targets, name, shape)
+        try:
+            return {name: f.get_tensor(name) for name in shapes}
+        except Exception as exc:
+            raise unreadable(exc) from None

@@ -1,11 +1,15 @@
 """Structured output at run time: grammars compiled off the engine thread, one matcher per
 request, and one batched token bitmask per step.
 
-- `GrammarCompiler`: one per tokenizer and model vocabulary. A spec is compiled on a small
-  thread pool as soon as it is submitted (xgrammar releases the GIL while it compiles), and
-  identical specs share one compile (a bounded LRU of futures, so concurrent identical
-  submissions wait on the same work). The request waits in the queue, skipped by the
-  scheduler, until its grammar is ready: it never holds up another request or a step.
+- `GrammarCompiler`: one per tokenizer and model vocabulary. A spec is compiled as soon as it
+  is submitted, and identical specs share one compile (a bounded LRU of futures, so concurrent
+  identical submissions wait on the same work). A small spec (`limits.py`) compiles at once on
+  a thread of its own pool; any other is first tried in a worker process under a time budget
+  (`compile_worker.py`: killed past `COMPILE_BUDGET_S`, or when everyone waiting for it has
+  gone), then compiled here on a second pool, knowing it ends in time. So a slow compile never
+  takes the place of a small one, and a shutdown never waits on one (daemon threads, killed
+  processes). The request waits in the queue, skipped by the scheduler, until its grammar is
+  ready: it never holds up another request or a step.
 - `GrammarState`: a request's matcher, advanced by the engine core on every applied token
   (so async batching, which applies a step's tokens one step later, stays in order: the
   sampler only runs after the previous step's tokens are applied). It counts the tokens it
@@ -20,22 +24,51 @@ request, and one batched token bitmask per step.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
+from .compile_worker import CompilerUnavailable, CompileWorkers, GrammarAbandoned
 from .structured import StructuredOutput, backend_error, json_schema_grammar, xgrammar
 
 CACHE_ENTRIES = 1024
 CACHE_BYTES = 512 * 2**20
-
+COMPILE_BUDGET_S = 10.0  # a spec that is not small must compile within this, or it is refused
+MAX_GRAMMAR_BYTES = 128 * 2**20  # a compiled grammar larger than this is refused
 
 class GrammarRejected(ValueError):
     """A token the grammar does not allow was applied (a bug, or a mask that was not applied)."""
+
+
+class DaemonPool:
+    """A few daemon threads running calls: unlike `ThreadPoolExecutor`'s, the interpreter
+    does not wait for them at exit (a compile in C++ would hold a shutdown for its length)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
 
 
 class GrammarCompiler:
@@ -49,34 +82,102 @@ class GrammarCompiler:
         stops = sorted(stop_token_ids) or None
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self.vocab_size = vocab_size
+        self.workers = workers
         # Our cache holds the futures; xgrammar's own would keep a second copy of each grammar.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="contbatch-grammar")
+        self._small = DaemonPool(workers, "contbatch-grammar")
+        self._large = DaemonPool(workers, "contbatch-grammar-large")
+        self._trial_workers: CompileWorkers | None = None  # started on the first spec that is not small
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._trials: dict[tuple[str, str], Future] = {}  # specs being tried in a worker process
+        self._waiters: Counter[tuple[str, str]] = Counter()  # callers of compile() not yet served
         self._sizes: dict[tuple[str, str], int] = {}  # bytes of each compiled grammar in the cache
         self._bytes = 0
         self._lock = threading.RLock()  # a done callback may run at once, in the thread that holds it
         self.compiles = 0
         self.cache_hits = 0
         self.compile_seconds = 0.0
+        self.abandoned = 0
 
     def compile(self, spec: StructuredOutput) -> Future:
-        """The compiled grammar, as a future: a cached one, or a compile just started."""
+        """The compiled grammar, as a future: a cached one, or a compile just started. A
+        failure is a `ValueError` saying why (`GrammarTooSlow` past the budget)."""
         with self._lock:
             future = self._cache.get(spec.key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            # A spec that failed is refused again from the cache (a compile past the budget
+            # would be past it again); one stopped before it ended is compiled anew.
+            if future is not None and not (future.done() and isinstance(future.exception(),
+                                                                       (GrammarAbandoned, CompilerUnavailable))):
                 self._cache.move_to_end(spec.key)
                 self.cache_hits += 1
+                if not future.done():
+                    self._waiters[spec.key] += 1
                 return future
-            future = self._pool.submit(self._compile, spec)
+            if spec.small:
+                future = self._small.submit(self._compile, spec)
+            else:
+                future = Future()
+                trial = self._trial_pool().submit(spec.kind, spec.source, spec.kind == "json")
+                self._trials[spec.key] = trial
+                trial.add_done_callback(lambda t, spec=spec, future=future: self._tried(spec, future, t))
             self._cache[spec.key] = future
+            self._waiters[spec.key] = 1
             self.compiles += 1
             future.add_done_callback(lambda f, key=spec.key: self._sized(key, f))
             self._evict()
             return future
 
+    def abandon(self, spec: StructuredOutput) -> None:
+        """One caller of `compile(spec)` no longer waits (its client has gone). When nobody
+        waits any more, a compile still being tried in a worker process is stopped."""
+        with self._lock:
+            key = spec.key
+            self._waiters[key] -= 1
+            if self._waiters[key] > 0:
+                return
+            del self._waiters[key]
+            trial = self._trials.get(key)
+            if trial is not None and self._trial_workers is not None:
+                self.abandoned += 1
+                self._trial_workers.cancel(trial)
+
     def state(self, spec: StructuredOutput, stop_ids: Sequence[int]) -> GrammarState:
         return GrammarState(self.compile(spec), sorted(stop_ids) or None, self.vocab_size)
+
+    def close(self) -> None:
+        """Kill the worker processes now (compiles tried there fail); never waits."""
+        with self._lock:
+            workers, self._trial_workers = self._trial_workers, None
+        if workers is not None:
+            workers.close()
+
+    def _trial_pool(self) -> CompileWorkers:
+        if self._trial_workers is None:
+            # One process on small machines: a compile there competes with the engine's steps.
+            processes = 1 if (os.cpu_count() or 1) <= 4 else self.workers
+            self._trial_workers = CompileWorkers(self.info.serialize_json(), processes, COMPILE_BUDGET_S)
+        self._trial_workers.budget_s = COMPILE_BUDGET_S
+        return self._trial_workers
+
+    def _tried(self, spec: StructuredOutput, future: Future, trial: Future) -> None:
+        """A worker process tried the spec: compile it here if it fit, else fail `future`."""
+        with self._lock:
+            self._trials.pop(spec.key, None)
+            self._waiters.pop(spec.key, None)
+        if trial.cancelled():
+            error: BaseException | None = GrammarAbandoned("the grammar compile was abandoned: nobody waits for it")
+        else:
+            error = trial.exception()
+        if error is None and trial.result()["bytes"] > MAX_GRAMMAR_BYTES:
+            error = ValueError(f"structured output: the compiled grammar would take "
+                               f"{trial.result()['bytes'] / 2**20:.0f} MiB; at most {MAX_GRAMMAR_BYTES // 2**20} "
+                               "MiB are allowed")
+        if error is not None:
+            future.set_exception(error)
+            return
+        done = self._large.submit(self._compile, spec)
+        done.add_done_callback(lambda d: future.set_exception(d.exception()) if d.exception() is not None
+                               else future.set_result(d.result()))
 
     def _compile(self, spec: StructuredOutput):
         t0 = time.perf_counter()
@@ -97,6 +198,7 @@ class GrammarCompiler:
 
     def _sized(self, key: tuple[str, str], future: Future) -> None:
         with self._lock:
+            self._waiters.pop(key, None)
             if self._cache.get(key) is future and future.exception() is None:
                 self._sizes[key] = future.result().memory_size_bytes
                 self._bytes += self._sizes[key]
@@ -112,7 +214,8 @@ class GrammarCompiler:
     def stats(self) -> dict:
         with self._lock:
             return {"compiles": self.compiles, "cache_hits": self.cache_hits, "compile_seconds": self.compile_seconds,
-                    "cached": len(self._cache), "cached_bytes": self._bytes}
+                    "cached": len(self._cache), "cached_bytes": self._bytes, "abandoned": self.abandoned,
+                    "killed": self._trial_workers.killed if self._trial_workers else 0}
 
 
 class GrammarState:

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_CHOICES = 4096
+from . import limits
+
 
 # String formats. xgrammar ignores some formats and only approximates others (dates with a
 # 31st of February, IPv4 parts with leading zeros, hostname labels of any length). We enforce
@@ -109,6 +110,7 @@ class StructuredOutput:
     grammar: str | None = None
     json_object: bool = False
     source: str = field(init=False, repr=False, compare=False, default="")  # what the backend compiles
+    small: bool = field(init=False, repr=False, compare=False, default=False)  # cheap to compile (limits.py)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -119,8 +121,9 @@ class StructuredOutput:
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(given) or 'none'}")
-        source = getattr(self, f"_check_{given[0]}")()
+        source, small = getattr(self, f"_check_{given[0]}")()
         object.__setattr__(self, "source", source)
+        object.__setattr__(self, "small", small)
 
     @property
     def kind(self) -> str:
@@ -134,47 +137,47 @@ class StructuredOutput:
         """Identical specs share one compiled grammar (the cache key)."""
         return self.kind, self.source
 
-    # -- one check per kind; each returns the source the backend compiles ------------------
-    def _check_json(self) -> str:
+    # -- one check per kind; each returns the source the backend compiles, and whether it is
+    # small (limits.py): every limit is checked before the backend parses anything ------------
+    def _check_json(self) -> tuple[str, bool]:
         schema = self.json
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as exc:
-                raise ValueError(f"structured output: the JSON schema is not valid JSON: {exc}") from None
+            schema = limits.parse_schema_text(schema)
         if not isinstance(schema, dict):
             raise ValueError(f"structured output: a JSON schema must be an object, got {type(schema).__name__}")
+        small = limits.check_schema(schema)
         try:
             source = json.dumps(enforceable(schema), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"structured output: the JSON schema cannot be serialized: {exc}") from None
-        return _parsed(source, "JSON schema", lambda xgr: json_schema_grammar(source))
+        return _parsed(source, "JSON schema", lambda xgr: json_schema_grammar(source)), small
 
-    def _check_json_object(self) -> str:
-        return '{"type": "object"}'
+    def _check_json_object(self) -> tuple[str, bool]:
+        return '{"type": "object"}', True
 
-    def _check_regex(self) -> str:
+    def _check_regex(self) -> tuple[str, bool]:
         if not isinstance(self.regex, str) or not self.regex:
             raise ValueError(f"structured output: regex must be a non-empty string, got {self.regex!r}")
-        return _parsed(self.regex, "regex", lambda xgr: xgr.Grammar.from_regex(self.regex))
+        small = limits.check_regex(self.regex)
+        return _parsed(self.regex, "regex", lambda xgr: xgr.Grammar.from_regex(self.regex)), small
 
-    def _check_choice(self) -> str:
+    def _check_choice(self) -> tuple[str, bool]:
         choice = self.choice
         if isinstance(choice, (str, bytes)) or not isinstance(choice, (list, tuple)) or not choice:
             raise ValueError(f"structured output: choice must be a non-empty list of strings, got {choice!r}")
         if not all(isinstance(c, str) and c for c in choice):
             raise ValueError("structured output: every choice must be a non-empty string")
-        if len(choice) > MAX_CHOICES:
-            raise ValueError(f"structured output: {len(choice)} choices; at most {MAX_CHOICES} are allowed")
+        small = limits.check_choices(choice)
         object.__setattr__(self, "choice", tuple(choice))
         # EBNF string literals escape like JSON strings.
         source = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choice))
-        return _parsed(source, "choice", lambda xgr: xgr.Grammar.from_ebnf(source))
+        return _parsed(source, "choice", lambda xgr: xgr.Grammar.from_ebnf(source)), small
 
-    def _check_grammar(self) -> str:
+    def _check_grammar(self) -> tuple[str, bool]:
         if not isinstance(self.grammar, str) or not self.grammar.strip():
             raise ValueError(f"structured output: grammar must be a non-empty EBNF string, got {self.grammar!r}")
-        return _parsed(self.grammar, "grammar", lambda xgr: xgr.Grammar.from_ebnf(self.grammar))
+        small = limits.check_grammar(self.grammar)
+        return _parsed(self.grammar, "grammar", lambda xgr: xgr.Grammar.from_ebnf(self.grammar)), small
 
 
 def _parsed(source: str, what: str, parse) -> str:

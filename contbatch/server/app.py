@@ -123,6 +123,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     async def completions(request: Request) -> Response:
         work = await pool.run(preparer.completion, await body(request))
         req = work.req
+        if not await engine.compile_grammars(work.params, request, work.structured_param):
+            return Response(status_code=499)  # the client is gone; nobody reads this
         sub = engine.submit([p.token_ids for p in work.prompts], work.params, req.stream, "cmpl")
         job = Job(chat=False, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n,
                   logprobs=req.logprobs is not None, echo=req.echo,
@@ -133,6 +135,8 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     async def chat_completions(request: Request) -> Response:
         work = await pool.run(preparer.chat, await body(request))
         req = work.req
+        if not await engine.compile_grammars(work.params, request, work.structured_param):
+            return Response(status_code=499)
         sub = engine.submit([work.prompts[0].token_ids], work.params, req.stream, "chatcmpl")
         job = Job(chat=True, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n, logprobs=req.logprobs,
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))

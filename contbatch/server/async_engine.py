@@ -21,12 +21,23 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..engine.manager import ContinuousBatchingManager
+from starlette.requests import Request
+
 from ..requests import GenerationOutput
+from ..sampling.compile_worker import GrammarTooSlow
 from ..sampling.params import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("contbatch.server")
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (its body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 class Submission:
@@ -107,6 +118,35 @@ class AsyncEngine:
                 raise APIError(429, f"{exc}; retry later", code="queue_full") from exc
             raise APIError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable") from exc
         return sub
+
+    async def compile_grammars(self, params: Sequence[SamplingParams], request: Request, param: str) -> bool:
+        """Wait until every structured-output spec of a request is compiled (most are cached
+        at once), without holding any thread. A spec that does not compile, or not within the
+        time budget, is a 400; a client that goes meanwhile abandons the compile (False)."""
+        specs = {p.structured_output.key: p.structured_output for p in params if p.structured_output is not None}
+        for spec in specs.values():
+            try:
+                future = self.manager.compile_grammar(spec)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param) from exc
+            loop = asyncio.get_running_loop()
+            compiled = loop.create_future()  # not asyncio.wrap_future: cancelling it would cancel the shared compile
+            future.add_done_callback(lambda f: loop.call_soon_threadsafe(
+                lambda: compiled.done() or compiled.set_result(f.exception())))
+            gone = asyncio.create_task(wait_disconnect(request))
+            try:
+                await asyncio.wait({compiled, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not compiled.done():
+                self.manager.abandon_grammar(spec)
+                return False
+            error = compiled.result()
+            if isinstance(error, GrammarTooSlow):
+                raise APIError(400, str(error), param, "structured_output_too_complex")
+            if error is not None:
+                raise APIError(400, f"structured output: the grammar does not compile: {error}", param)
+        return True
 
     def cancel(self, sub: Submission) -> None:
         """End every unfinished request of `sub` now; their blocks are freed by the engine."""

@@ -1,4 +1,5 @@
-"""What every HTTP request passes first: shutdown (503), the API key (401), in-flight count.
+"""What every HTTP request passes first: shutdown (503), the API key (401), in-flight count,
+and HEAD answered wherever GET is (as a GET whose body is not sent: load balancers probe so).
 
 A plain ASGI middleware rather than Starlette's `BaseHTTPMiddleware`, which would wrap the
 request's receive channel and hide client disconnects from the routes that watch for them.
@@ -68,6 +69,8 @@ class Gate:
             await _reply(send, 503, "the engine is compiling its steps and accepts requests once warm",
                          "engine_warming", {"Retry-After": "5"})
             return
+        if scope.get("method") == "HEAD":
+            scope, send = {**scope, "method": "GET"}, _headers_only(send)
         counted = path not in UNCOUNTED_PATHS
         if counted:
             self.state.inflight += 1
@@ -86,6 +89,17 @@ class Gate:
                     return any(secrets.compare_digest(token, key) for key in self.api_keys)
                 return False
         return False
+
+
+def _headers_only(send: Send) -> Send:
+    """A HEAD response: the GET's status and headers (its content-length included), no body."""
+
+    async def sender(message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return sender
 
 
 async def _reply(send: Send, status: int, message: str, code: str, headers: dict[str, str]) -> None:

@@ -37,6 +37,22 @@ class Prepared:
     prompts: list[Prompt]
     params: list[SamplingParams]
 
+    @property
+    def structured_param(self) -> str:
+        """The field a structured-output error names."""
+        fmt = self.req.response_format
+        return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
+def parse_body(body: bytes, model: type[M]) -> M:
+    """The body as `model`, or a 400 saying what is wrong. pydantic's JSON parser refuses
+    nesting deeper than 200 levels (json's recursed), on every route that parses through here."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise APIError(400, message, param) from None
+
 
 class Preparer:
     """The synchronous half of every POST route, for one app."""
@@ -49,11 +65,7 @@ class Preparer:
     def validate(self, body: bytes, model: type[M]) -> M:
         """The body as `model`, or a 400 saying what is wrong (pydantic's JSON parser also
         refuses nesting deeper than 200 levels), or 404 for another model's name."""
-        try:
-            parsed = model.model_validate_json(body)
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            raise APIError(400, message, param) from None
+        parsed = parse_body(body, model)
         name = getattr(parsed, "model", None)
         if name is not None and name not in self.settings.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.settings.model_name}`.",

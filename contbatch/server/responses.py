@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..requests import GenerationOutput, RequestStatus
-from .async_engine import AsyncEngine, Submission
+from .async_engine import AsyncEngine, Submission, wait_disconnect
 from .errors import APIError
 from .formatting import (
     NonFiniteNumber,
@@ -102,7 +102,7 @@ class ResponseWriter:
                     finals[(p, out.index)] = out
 
         gathering = asyncio.create_task(gather())
-        watching = asyncio.create_task(_wait_disconnect(request))
+        watching = asyncio.create_task(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
             if gathering not in done:
@@ -210,12 +210,3 @@ def _non_finite(job: Job, exc: NonFiniteNumber) -> APIError:
     logger.error("request %s: %s; answered with an error", job.id, exc)
     return APIError(500, "the model produced a non-finite number (NaN) in this response, which JSON cannot carry",
                     code="non_finite_output")
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-

@@ -27,6 +27,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class UpdateWeightsRequest(Strict):
+    """`POST /update_weights_from_disk`: a file under `--weights-dir` and what becomes of
+    requests in flight."""
+
+    path: str = Field(min_length=1)
+    inflight: Literal["recompute", "keep", "abort"] = "recompute"
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 

@@ -2,7 +2,7 @@
 
 Light at import (the CLI builds its parser from here): everything heavy is imported in
 `cmd_serve`. Shutdown is `draining.DrainingServer`'s: 503 for new requests, in-flight ones
-drained up to `--drain-timeout`, exit 0.
+drained up to `--drain-timeout`, exit 0; a second signal fails what is left with 503, exit 1.
 """
 
 from __future__ import annotations
@@ -138,5 +138,8 @@ def _serve(args, settings, config, model, tokenizer) -> int:
     # The engine starts on a worker thread (the app's lifespan); the main thread loaded the
     # model, so its OpenMP pool goes now: the engine thread's must be the only one.
     release_openmp_pool()
-    server.run()
-    return 0 if server.started else 1
+    try:
+        server.run()
+    finally:  # whatever ended the loop, no engine thread runs into interpreter teardown
+        manager.stop(hard_stop=True, timeout=30)
+    return server.exit_status
