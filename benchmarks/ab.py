@@ -9,7 +9,7 @@ average, and whether every system's tokens equal the first one's.
     git worktree add /tmp/before <commit>
     python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
     python benchmarks/ab.py eager=. compiled=.:--compile-level=1   # same tree, two settings
-    python benchmarks/ab.py now=. mkl=.:--cpu-linear-kernel=aten gather=.:--decode-fast-path=false
+    python benchmarks/ab.py now=. mkl=.:--cpu-kernel-overrides='{"linear":"aten"}' gather=.:--decode-fast-path=false
 
 Options after a tree are `ContinuousBatchingConfig` fields, dashes for underscores
 (`--compile-level` is `default_compile_level`); values are parsed as JSON where they can be.
@@ -17,14 +17,10 @@ Options after a tree are `ContinuousBatchingConfig` fields, dashes for underscor
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+import harness as H
 
 CHILD = r'''
 import json, sys, time, torch
@@ -48,8 +44,10 @@ t0 = time.perf_counter()
 out = generate_batch(model, prompts, gen, progress_bar=False, config=ContinuousBatchingConfig(**kw))
 wall = time.perf_counter() - t0
 tokens = [out[f"req_{i}"].generated_tokens for i in range(n)]
-print(json.dumps({"tok_s": sum(map(len, tokens)) / wall, "warm_s": warm, "tokens": tokens, "src": contbatch.__file__}))
+print("RESULT " + json.dumps({"tok_s": sum(map(len, tokens)) / wall, "warm_s": warm, "tokens": tokens,
+                              "src": contbatch.__file__}))
 '''
+TEXT = Path(__file__).resolve().parents[1] / "README.md"  # the prompts are cut from it
 
 
 def config_kwargs(extra: dict) -> dict:
@@ -64,51 +62,52 @@ def config_kwargs(extra: dict) -> dict:
     return kw
 
 
+def parse_systems(specs: list[str]) -> dict[str, tuple[str, dict]]:
+    """name=tree[:--option=value ...] -> {name: (tree, {--option: value})}"""
+    systems = {}
+    for name, rest in H.parse_named(specs).items():
+        tree, *opts = rest.split(":--")  # options may hold JSON (with colons) of their own
+        systems[name] = (tree, dict(("--" + o).split("=", 1) for o in opts))
+    return systems
+
+
 def run(tree: str, extra: dict, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "TRANSFORMERS_VERBOSITY": "error"}
-    text = Path(__file__).resolve().parents[1] / "README.md"
-    out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, str(args.prompts), str(args.new_tokens), json.dumps(config_kwargs(extra)),
-                          str(text)], capture_output=True, text=True, env=env, cwd="/")
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return H.run_child(CHILD, [args.dtype, args.prompts, args.new_tokens, json.dumps(config_kwargs(extra)), TEXT],
+                       tree=tree)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, whole_doc=True)
     p.add_argument("systems", nargs="+", help="name=tree[:--option=value ...], e.g. b=.:--compile-level=1")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    systems = {}
-    for spec in args.systems:
-        name, _, rest = spec.partition("=")
-        tree, *opts = rest.split(":--")  # options may hold JSON (with colons) of their own
-        systems[name] = (tree, dict(("--" + o).split("=", 1) for o in opts))
+    args = H.parse(p)
+    systems = parse_systems(args.systems)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
-    load = [os.getloadavg()[0]]
-    t0 = time.time()
+    load = H.LoadRange()
+    for _, name in H.rounds(list(systems), args.repeats):  # who goes first rotates each round
+        runs[name].append(run(*systems[name], args))
+        load.sample()
     names = list(systems)
-    for r in range(args.repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
-            runs[name].append(run(*systems[name], args))
-            load.append(os.getloadavg()[0])
     first = runs[names[0]][0]["tokens"]
     print(f"{args.prompts} prompts, {args.new_tokens} new tokens, {args.dtype}, {args.repeats} interleaved rounds, "
-          f"load {min(load):.2f}-{max(load):.2f}, {time.time() - t0:.0f} s")
-    base = statistics.median(r["tok_s"] for r in runs[names[0]])
+          f"{load.line()}, {load.elapsed_s:.0f} s")
+    base = H.Spread.of([r["tok_s"] for r in runs[names[0]]])
+    rows = []
     for name in names:
-        tps = [r["tok_s"] for r in runs[name]]
+        tps = H.Spread.of([r["tok_s"] for r in runs[name]])
+        warm = H.Spread.of([r["warm_s"] for r in runs[name]])
         same = all(r["tokens"] == first for r in runs[name])
-        print(f"{name:<12} {statistics.median(tps):7.1f} tok/s [{min(tps):.1f}-{max(tps):.1f}]  "
-              f"x{statistics.median(tps) / base:.3f} vs {names[0]}  warm-up {statistics.median(r['warm_s'] for r in runs[name]):.1f} s  "
-              f"tokens {'identical' if same else 'DIFFER'}  ({runs[name][0]['src']})")
+        rows.append([name, tps.fmt(), H.fmt_ratio(H.ratio(tps, base)), f"{warm.median:.1f}",
+                     "identical" if same else "DIFFER", runs[name][0]["src"]])
+    print(H.md_table(["system", "tok/s median [min, max]", f"vs {names[0]}", "warm-up s", "tokens", "contbatch from"],
+                     rows, [False, True, True, True, False, False]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"load": load, "runs": {k: [{x: y for x, y in r.items() if x != 'tokens'}
-                                                                             for r in v] for k, v in runs.items()}}))
+        Path(args.json).write_text(json.dumps({"load": load.values, "runs": {
+            k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in runs.items()}}))
 
 
 if __name__ == "__main__":

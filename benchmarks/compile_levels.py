@@ -6,7 +6,7 @@ reported) and then serves, one batch after another, 1, 4 and 16 requests of 16-2
 prompts with `--new-tokens` each (greedy, EOS ignored); each batch runs twice and the second
 run counts (a batch size the first run met for the first time may compile a new bucket).
 Tokens are compared across levels. This is the measurement behind the CPU default level
-(`engine/compile.py`).
+(`runtime/compile.py`).
 
 With `--cold`, each compiled run first starts on an empty Inductor cache (the cold start),
 then again on the cache it filled (the warm start, a second process as after a restart);
@@ -17,13 +17,11 @@ then again on the cache it filled (the warm start, a second process as after a r
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
+from pathlib import Path
+
+import harness as H
 
 CHILD = r'''
 import json, sys, time, torch
@@ -49,22 +47,28 @@ out["compiles"] = m.stats()["compiles"]
 m.stop()
 print("RESULT " + json.dumps(out))
 '''
+TEXT = Path(__file__).resolve().parent / "README.md"  # the prompts are cut from it
 
 
-def _child(tree: str, level: int, new: int, sizes: list[int], text: str, cache: str | None) -> dict:
-    env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-    if cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    done = subprocess.run([sys.executable, "-c", CHILD, str(level), str(new), json.dumps(sizes), text],
-                          capture_output=True, text=True, check=True, env=env, cwd="/")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[7:])
+def child(tree: str, level: int, args, sizes: list[int], cache: str | None) -> dict:
+    return H.run_child(CHILD, [level, args.new_tokens, json.dumps(sizes), TEXT], tree=tree or None,
+                       env={"TORCHINDUCTOR_CACHE_DIR": cache} if cache else None)
+
+
+def one_run(tree: str, level: int, args, sizes: list[int]) -> dict:
+    """A run of one level; with --cold a compiled level starts twice, on an empty cache and on
+    the cache that start filled."""
+    if not (args.cold and level > 0):
+        return child(tree, level, args, sizes, None)
+    with tempfile.TemporaryDirectory() as cache:
+        cold = child(tree, level, args, sizes, cache)
+        run = child(tree, level, args, sizes, cache)
+    run["cold_start_s"] = cold["start_s"]
+    return run
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__)
     p.add_argument("--levels", default="0,1")
     p.add_argument("--sizes", default="1,4,16", help="requests per batch")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -72,42 +76,34 @@ def main() -> None:
     p.add_argument("--trees", default="", help="name=path,... : source trees to compare (default: the installed one)")
     p.add_argument("--cold", action="store_true",
                    help="each compiled run starts with an empty Inductor cache (cold), then starts again on it (warm)")
-    args = p.parse_args()
-    levels = [int(v) for v in args.levels.split(",")]
-    sizes = [int(v) for v in args.sizes.split(",")]
-    text = __file__.replace("compile_levels.py", "README.md")
-    trees = [t.split("=", 1) for t in args.trees.split(",")] if args.trees else [["", ""]]
-    systems = [(name, path, lv) for name, path in trees for lv in levels]
+    args = H.parse(p)
+    levels = H.comma_list(args.levels, int)
+    sizes = H.comma_list(args.sizes, int)
+    trees = H.parse_named(H.comma_list(args.trees)) if args.trees else {"": ""}
+    systems = [(name, path, lv) for name, path in trees.items() for lv in levels]
     runs: dict[tuple, list[dict]] = {s: [] for s in systems}
-    for _ in range(args.repeats):
+    load = H.LoadRange()
+    for _ in range(args.repeats):  # the levels alternate: every system once per round
         for system in systems:
-            name, path, lv = system
-            if args.cold and lv > 0:
-                with tempfile.TemporaryDirectory() as cache:
-                    cold = _child(path, lv, args.new_tokens, sizes, text, cache)
-                    run = _child(path, lv, args.new_tokens, sizes, text, cache)
-                run["cold_start_s"] = cold["start_s"]
-            else:
-                run = _child(path, lv, args.new_tokens, sizes, text, None)
-            runs[system].append(run)
-    base = systems[0]
-    print("| system | level | " + ("cold start s | " if args.cold else "") + "start-up s | "
-          + " | ".join(f"{n} req tok/s" for n in sizes) + " | compiles | tokens vs first |")
-    print("|---|---:|" + ("---:|" if args.cold else "") + "---:|" + "---:|" * len(sizes) + "---:|---|")
+            runs[system].append(one_run(system[1], system[2], args, sizes))
+            load.sample()
+    base = runs[systems[0]]
+    rows = []
     for system in systems:
         rs = runs[system]
         cells = []
         for n in sizes:
-            vals = [r["tok_s"][str(n)] for r in rs]
-            ratio = statistics.median(vals) / statistics.median([r["tok_s"][str(n)] for r in runs[base]])
-            cells.append(f"{statistics.median(vals):.1f} [{min(vals):.1f}, {max(vals):.1f}] ({ratio:.2f}x)")
-        same = all(r["tokens"] == runs[base][0]["tokens"] for r in rs)
-        starts = [r["start_s"] for r in rs]
-        colds = [r.get("cold_start_s", r["start_s"]) for r in rs]
-        cold = f"{statistics.median(colds):.1f} [{min(colds):.1f}, {max(colds):.1f}] | " if args.cold else ""
-        print(f"| {system[0] or 'installed'} | {system[2]} | {cold}{statistics.median(starts):.1f} [{min(starts):.1f}, "
-              f"{max(starts):.1f}] | " + " | ".join(cells) + f" | {rs[-1]['compiles']} | "
-              f"{'identical' if same else 'DIFFER'} |")
+            sp = H.Spread.of([r["tok_s"][str(n)] for r in rs])
+            ratio = sp.median / H.Spread.of([r["tok_s"][str(n)] for r in base]).median
+            cells.append(f"{sp.fmt()} ({ratio:.2f}x)")
+        same = all(r["tokens"] == base[0]["tokens"] for r in rs)
+        cold = [H.Spread.of([r.get("cold_start_s", r["start_s"]) for r in rs]).fmt()] if args.cold else []
+        rows.append([system[0] or "installed", system[2], *cold, H.Spread.of([r["start_s"] for r in rs]).fmt(),
+                     *cells, rs[-1]["compiles"], "identical" if same else "DIFFER"])
+    print(f"{args.new_tokens} new tokens, {args.repeats} rounds, {load.line()}")
+    print(H.md_table(["system", "level", *(["cold start s"] if args.cold else []), "start-up s",
+                      *[f"{n} req tok/s" for n in sizes], "compiles", "tokens vs first"], rows,
+                     [False, True, *([True] if args.cold else []), True, *[True] * len(sizes), True, False]))
 
 
 if __name__ == "__main__":

@@ -13,15 +13,13 @@ round) and the GB/s of K/V read, next to a plain `sum` over 73 MB in the same pr
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
+
+import harness as H
 
 CHILD = r'''
 import json, sys, time, torch
-from contbatch import native
+from contbatch.cpu import native
 assert native.load()[0], native.load()[1]
 torch.manual_seed(0)
 out = {}
@@ -60,28 +58,22 @@ CASES = [(1, 300, "float32"), (48, 140, "float32"), (48, 1000, "float32"), (8, 2
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, whole_doc=True)
     p.add_argument("trees", nargs="+", help="name=path of a contbatch source tree")
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
-    trees = dict(t.split("=", 1) for t in args.trees)
+    args = H.parse(p)
+    trees = H.parse_named(args.trees)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
+    load = H.LoadRange()
     for _ in range(args.repeats):
         for name, path in trees.items():
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
-            done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, capture_output=True,
-                                  text=True, check=True)
-            runs[name].append(json.loads(done.stdout.split("RESULT ", 1)[1]))
+            runs[name].append(H.run_child(CHILD, [json.dumps(CASES)], tree=path))
+            load.sample()
     cases = [k for k in runs[next(iter(trees))][0] if k != "sum GB/s"]
-    print(f"| case (requests x keys, dtype) | " + " | ".join(f"{n} us [GB/s]" for n in trees) + " |")
-    print("|---|" + "---:|" * len(trees))
-    for case in cases:
-        cells = []
-        for name in trees:
-            best = min(r[case][0] for r in runs[name])
-            gbs = max(r[case][1] for r in runs[name])
-            cells.append(f"{best:.0f} [{gbs:.1f}]")
-        print(f"| {case} | " + " | ".join(cells) + " |")
+    rows = [[case] + [f"{min(r[case][0] for r in runs[n]):.0f} [{max(r[case][1] for r in runs[n]):.1f}]" for n in trees]
+            for case in cases]
+    print(f"{args.repeats} rounds, {load.line()}")
+    print(H.md_table(["case (requests x keys, dtype)"] + [f"{n} us [GB/s]" for n in trees], rows))
     sums = {n: max(r["sum GB/s"] for r in runs[n]) for n in trees}
     print("plain sum over 73 MB, best GB/s: " + ", ".join(f"{n} {v:.1f}" for n, v in sums.items()))
 

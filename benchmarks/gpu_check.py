@@ -1,6 +1,7 @@
 """GPU check of contbatch's GPU path in one run: exactness, throughput against transformers, and
-decode time against the memory-bandwidth floor. Run it through benchmarks/gpu_check.sh (which
-installs the carried wheels); `--smoke --device cpu` runs every part at tiny sizes on a CPU.
+decode time against the memory-bandwidth floor: the project's GPU validation. Run it through
+benchmarks/gpu_check.sh (which installs the wheels in .whl/ and runs each part in its own
+process); `--smoke --device cpu` runs every part at tiny sizes on a CPU.
 
 Parts, each under its own time budget and try/except, results written after every run:
  1. exactness: float32 greedy output == `model.generate`, on SmolLM2-135M's architecture (random
@@ -15,7 +16,6 @@ Exit status: 0, or 1 if any exactness case failed or any part crashed (after eve
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_report as R  # noqa: E402  (first: its clock starts the log's timestamps)
+import harness as H  # noqa: E402
 from gpu_check_report import PART_FILE, T0, Report, log  # noqa: E402
 
 # torch, transformers, contbatch and the helpers that use them: imported in load(), so that
@@ -271,7 +272,7 @@ def part_throughput(args, s: dict, rep: Report) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = H.parser(__doc__)
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (for a CPU): checks the script, measures nothing")
     p.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT") or "out/gpu_check"))
@@ -280,7 +281,7 @@ def main() -> int:
     p.add_argument("--merge", action="store_true", help="only combine gpu_part_*.json into gpu_results.{json,md}")
     p.add_argument("--flat-backend", help="backend of the exactness matrix (default: triton on cuda, reference on cpu)")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
-    args = p.parse_args()
+    args = H.parse(p)
     if args.merge:
         return R.merge(args.out_dir)
     load()

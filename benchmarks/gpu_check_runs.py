@@ -272,7 +272,7 @@ def env_info(device: str) -> dict:
             info[pkg] = md.version(pkg)
         except Exception:  # noqa: BLE001
             info[pkg] = None
-    # `import contbatch` must not pull in the server stack (fastapi etc. are not on the GPU machine).
+    # `import contbatch` must not pull in the server stack (fastapi etc. need not be installed to run the engine).
     info["contbatch_server_modules_imported"] = sorted(m for m in sys.modules if m.startswith("contbatch.server"))
     info["fastapi_imported"] = "fastapi" in sys.modules
     if device.startswith("cuda"):

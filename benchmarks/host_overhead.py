@@ -13,18 +13,17 @@ per-step planning too). Run on a quiet machine; it prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness as H  # noqa: E402
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager  # noqa: E402
-from contbatch.engine import core, step_runner  # noqa: E402
+from contbatch.runtime import core, step_runner  # noqa: E402
 from contbatch.scheduling import scheduler  # noqa: E402
 
 PHASES = {
@@ -54,12 +53,9 @@ def instrument(totals: dict[str, float]) -> None:
 
 
 def tiny_model() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    """One layer, 32 hidden units: the forward costs next to nothing, the host work stands out."""
+    return H.random_llama(seed=0, vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
 
 
 def measure(model, batch: int, new_tokens: int, totals: dict[str, float], backend: str = "reference") -> dict[str, float]:
@@ -79,27 +75,26 @@ def measure(model, batch: int, new_tokens: int, totals: dict[str, float], backen
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--new-tokens", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
-    parser.add_argument("--backend", default="reference", choices=["reference", "torch"])
-    args = parser.parse_args()
+    p = H.parser(__doc__)
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--new-tokens", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
+    p.add_argument("--backend", default="reference", choices=["reference", "torch"])
+    args = H.parse(p)
     torch.set_num_threads(1)
     totals: dict[str, float] = {}
     instrument(totals)
     model = tiny_model()
     measure(model, 8, 4, totals)  # warm-up
-    cols = ["host", "schedule", "build", "launch", "sample", "apply", "forward"]
-    print(f"load average {Path('/proc/loadavg').read_text().split()[0]}; CPU ms per step (best of {args.repeats})")
-    print("| requests | " + " | ".join(cols) + " |")
-    print("|---:|" + "---:|" * len(cols))
+    load = H.LoadRange()
+    print(f"load average (1 min) {load.values[0]:.2f} before; CPU ms per step (best of {args.repeats})")
+    table = H.Table(["requests", "host", "schedule", "build", "launch", "sample", "apply", "forward"])
     for batch in args.batches:
         runs = (measure(model, batch, args.new_tokens, totals, args.backend) for _ in range(args.repeats))
         best = min(runs, key=lambda r: r["host"])
         launch_only = best["launch"] - best["forward"]
         row = [best["host"], best["schedule"], best["build"], launch_only, best["sample"], best["apply"], best["forward"]]
-        print(f"| {batch} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
+        table.row(batch, *[f"{v:.2f}" for v in row])
     print("launch excludes the forward; host = step - forward (build is part of host, not of launch)")
 
 

@@ -13,9 +13,7 @@ a case whose tokens differ is not posted.
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,8 +84,7 @@ def part(title: str, model, prompts, new_tokens: int, cases: dict, baseline: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = H.parser(__doc__, show_defaults=True)
     parser.add_argument("--shared-requests", type=int, default=200)
     parser.add_argument("--system-tokens", type=int, default=300)
     parser.add_argument("--shared-new-tokens", type=int, default=16)
@@ -97,18 +94,16 @@ def main() -> None:
     parser.add_argument("--only", default="a,b")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-reference", action="store_true", help="skip the token check against model.generate")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat unless --repeats is given")
-    H.add_common_args(parser, repeats=3)
-    args = parser.parse_args()
-    if args.quick and "--repeats" not in sys.argv:
-        args.repeats = 1
+    H.add_common_args(parser, repeats=3, quick="smoke run: 1 repeat unless --repeats is given")
+    args = H.parse(parser)
     transformers.logging.set_verbosity_error()
-    log = lambda s: print(s, flush=True)  # noqa: E731
+    log = H.log
 
     monitor = H.LoadMonitor(threshold=args.noise_threshold).start()
     machine = H.machine_info()
     log(f"command: {H.command_line()}\nmachine: {H.machine_line(machine)}\nload average before: {monitor.before[0]:.2f}")
-    model, _ = contbatch.load_model(dtype=getattr(torch, args.dtype))
+    monitor.warn_if_loaded()
+    model, _ = H.load(None, args.dtype)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     parts = {}

@@ -16,13 +16,14 @@ largest error of ours against float64.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from contbatch import native
-from contbatch.engine.cpu_linear import available_kernels, native_linear, onednn_linear, upcast_linear
+import harness as H
+from contbatch.cpu import native
+from contbatch.cpu.linear_kernels import available_kernels, onednn_linear, upcast_linear
+from contbatch.cpu.ops import small_linear
 
 DEFAULT_SHAPES = "1536x576,576x1536,576x576,192x576,49152x576"  # SmolLM2-135M: MLP, attention, LM head
 
@@ -39,24 +40,23 @@ def best_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of OUTxIN")
     p.add_argument("--rows", default="1,2,4,7")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--pool-mb", type=int, default=256, help="memory the weight copies are cut from")
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = H.parse(p)
     print(f"threads {torch.get_num_threads()}; C++ kernels: {native.load()[1]}")
     kernels = {"aten": lambda x, w, b: torch.nn.functional.linear(x, w, b), "onednn": onednn_linear,
-               "ours": native_linear, "upcast": upcast_linear}
-    engine_name = {"ours": "native"}  # our C++ kernel's name in engine/cpu_linear.py
-    print("| dtype | rows | weight | " + " | ".join(f"{k} GB/s" for k in kernels) + " | max error vs float64 (ours) |")
-    print("|---|---:|---|" + "---:|" * len(kernels) + "---:|")
+               "small_linear": small_linear, "upcast": upcast_linear}  # named as cpu/knobs.py names them
+    table = H.Table(["dtype", "rows", "weight", *[f"{k} GB/s" for k in kernels], "max error vs float64 (small_linear)"],
+                    [False, True, False, *[True] * len(kernels), True])
     with torch.inference_mode():
-        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for dtype in map(H.dtype_of, H.comma_list(args.dtypes)):
             size = torch.tensor([], dtype=dtype).element_size()
-            for rows in map(int, args.rows.split(",")):
-                for shape in args.shapes.split(","):
+            for rows in H.comma_list(args.rows, int):
+                for shape in H.comma_list(args.shapes):
                     out_f, in_f = map(int, shape.split("x"))
                     copies = max(1, (args.pool_mb << 20) // (out_f * in_f * size))
                     pool = (torch.rand(copies * out_f * in_f) - 0.5).to(dtype)
@@ -64,14 +64,14 @@ def main() -> None:
                     x = (torch.rand(rows, in_f) - 0.5).to(dtype)
                     gb = out_f * in_f * size / 1e9
                     can = available_kernels(dtype, rows)
-                    rates = [gb / best_seconds(fn, weights, x, args.repeats) if engine_name.get(k, k) in can else None
+                    rates = [gb / best_seconds(fn, weights, x, args.repeats) if k in can else None
                              for k, fn in kernels.items()]
                     err = "-"
-                    if "native" in can:
+                    if "small_linear" in can:
                         exact = torch.nn.functional.linear(x.double(), weights[0].double())
-                        err = f"{(native_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
-                    cells = " | ".join("-" if r is None else f"{r:.1f}" if r >= 1 else f"{r:.3f}" for r in rates)
-                    print(f"| {str(dtype)[6:]} | {rows} | {shape} | {cells} | {err} |", flush=True)
+                        err = f"{(small_linear(x, weights[0], None).double() - exact).abs().max().item():.1e}"
+                    table.row(str(dtype)[6:], rows, shape,
+                              *[None if r is None else f"{r:.1f}" if r >= 1 else f"{r:.3f}" for r in rates], err)
                     del pool, weights
 
 

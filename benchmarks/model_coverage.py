@@ -21,7 +21,6 @@ transformers; `--arch NAME` checks a few architectures without writing the table
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+import harness as H  # noqa: E402
 from tiny_models import Unbuildable, build_tiny, causal_lm_architectures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,11 +203,11 @@ def write_markdown(rows, path: Path, peer: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = H.parser(__doc__)
     parser.add_argument("--arch", nargs="*", help="only these architectures (prints, writes nothing)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
-    args = parser.parse_args()
+    args = H.parse(parser)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # tiny models; and no OpenMP pool traded between generate and engine threads

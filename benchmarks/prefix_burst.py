@@ -12,11 +12,10 @@ prefix-cache hit rate, TTFT p50/p90, total time and output tok/s; the settings i
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import time
+
+import harness as H
 
 SYSTEM = (
     "You are a careful assistant for a public library. You answer questions about opening hours, "
@@ -61,40 +60,38 @@ def run_once(model, prompts, hold: bool, block_size: int, new_tokens: int) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, whole_doc=True)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--system-tokens", type=int, default=300)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = H.parse(p)
 
-    from contbatch import load_model
-
-    model, tok = load_model()
+    model, tok = H.load()
     prompts = workload(tok, args.requests, args.system_tokens)
     run_once(model, prompts[:4], True, args.block_size, 2)  # warm-up, the same for both settings
     runs: dict[bool, list[dict]] = {False: [], True: []}
-    load = [os.getloadavg()[0]]
-    for r in range(args.repeats):
-        for hold in (False, True) if r % 2 == 0 else (True, False):
-            runs[hold].append(run_once(model, prompts, hold, args.block_size, args.new_tokens))
-            load.append(os.getloadavg()[0])
+    load = H.LoadRange()
+    for _, hold in H.rounds([False, True], args.repeats):  # interleaved, the first setting alternating
+        runs[hold].append(run_once(model, prompts, hold, args.block_size, args.new_tokens))
+        load.sample()
     same = all(a["tokens"] == runs[False][0]["tokens"] for a in runs[False] + runs[True])
     print(f"{args.requests} requests, ~{len(prompts[0])}-token prompts sharing a {args.system_tokens}-token system "
-          f"prompt, {args.new_tokens} new tokens, block_size {args.block_size}; load {min(load):.2f}-{max(load):.2f}; "
+          f"prompt, {args.new_tokens} new tokens, block_size {args.block_size}; {load.line()}; "
           f"greedy tokens identical across settings: {same}")
-    summary = {}
-    for hold in (False, True):
-        rows = runs[hold]
-        summary[hold] = {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows), max(r[k] for r in rows))
-                         for k in ("hit_rate", "ttft_p50", "ttft_p90", "wall_s", "tok_s")}
-        cells = "  ".join(f"{k} {m:.3g} [{lo:.3g}-{hi:.3g}]" for k, (m, lo, hi) in summary[hold].items())
-        print(f"hold_shared_prefixes={hold!s:<5} {cells}")
+    keys = ("hit_rate", "ttft_p50", "ttft_p90", "wall_s", "tok_s")
+    summary = {hold: H.spreads([{k: r[k] for k in keys} for r in runs[hold]]) for hold in (False, True)}
+    print(H.md_table(["hold_shared_prefixes", "prefix-cache hit rate", "TTFT p50 s", "TTFT p90 s", "wall s",
+                      "output tok/s"],
+                     [[str(hold), *[summary[hold][k].fmt(".3g" if k == "hit_rate" else ".2f") for k in keys]]
+                      for hold in (False, True)]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load": load, "identical": same, "summary": {str(k): v for k, v in summary.items()}}, f, indent=1)
+            json.dump({"load": load.values, "identical": same,
+                       "summary": {str(h): {k: v.as_dict() for k, v in s.items()} for h, s in summary.items()}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

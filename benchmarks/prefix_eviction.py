@@ -11,7 +11,7 @@ unique user turn and its generated tokens, a fixed number of requests in flight.
 
 The result is a hit rate, deterministic for a seed: timing does not enter it, so there are no
 repeats and no noisy rule; the wall time of each order is printed for information only. The
-table and the markdown/JSON output use the shared `harness.py`.
+table and the markdown/JSON output use the shared `harness/`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(eviction: str, args: argparse.Namespace) -> tuple[float, int]:
     bs = args.block_size
     systems = [[rng.randrange(1000, 50000) for _ in range(args.system_blocks * bs)] for _ in range(args.num_systems)]
     weights = [1 / (rank + 1) ** args.zipf for rank in range(args.num_systems)]
-    bm = BlockManager(args.num_blocks, bs, enable_prefix_sharing=True, eviction=eviction)
+    bm = BlockManager(args.num_blocks, bs, allow_block_sharing=True, eviction=eviction)
     live: deque[str] = deque()
     for i in range(args.requests):
         system = rng.choices(systems, weights)[0]
@@ -51,7 +51,7 @@ def run(eviction: str, args: argparse.Namespace) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = H.parser(__doc__)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--num-systems", type=int, default=32)
     parser.add_argument("--system-blocks", type=int, default=8)
@@ -63,8 +63,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2,000 requests")
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
-    parser.add_argument("--results-md", type=Path, help="append the markdown section here")
-    args = parser.parse_args()
+    parser.add_argument("--results-md", type=Path, help="record the markdown section here (e.g. benchmarks/RESULTS.md)")
+    args = H.parse(parser)
     if args.quick and "--requests" not in sys.argv:
         args.requests = 2000
     if not args.num_blocks:

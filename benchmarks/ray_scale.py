@@ -19,19 +19,15 @@ tokens / prompt tokens looked up) and each replica's share of the requests.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import os
 import random
 import socket
 import statistics
-import sys
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from harness import Spread, machine_info, machine_line, md_table, ratio  # noqa: E402
+import harness as H
 
 REPLICA_HEADER = "x-contbatch-replica"
 QUESTIONS = ["How do I renew a book?", "When do you open on Sunday?", "Can I print in colour?",
@@ -126,7 +122,7 @@ def chat_workload(systems: int, per_system: int, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = H.parser(__doc__, whole_doc=True)
     ap.add_argument("--model", default=None, help="local HF folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -134,27 +130,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", type=int, default=8)
     ap.add_argument("--per-system", type=int, default=6)
-    args = ap.parse_args()
+    args = H.parse(ap)
 
     import ray
     from ray import serve
 
-    load_before = os.getloadavg()
+    load = H.LoadRange()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = free_port()
     prompts = [f"Write a short note number {i} about the weather in a small town:" for i in range(args.requests)]
     runs: dict[int, list[dict]] = {1: [], 2: []}
     current = None
     try:
-        for rnd in range(args.repeats):
-            order = [1, 2] if rnd % 2 == 0 else [2, 1]
-            for n in order:
-                if current != n:
-                    url, ids = deploy(args.model, n, port)
-                    current = n
-                    load_run(url, prompts[:4], 4, 4)  # warm-up, untimed
-                runs[n].append(load_run(url, prompts, args.new_tokens, args.concurrency))
-                print(f"round {rnd} replicas={n}: {runs[n][-1]}", flush=True)
+        for rnd, n in H.rounds([1, 2], args.repeats):  # 1, 2 / 2, 1 / ...
+            if current != n:
+                url, ids = deploy(args.model, n, port)
+                current = n
+                load_run(url, prompts[:4], 4, 4)  # warm-up, untimed
+            runs[n].append(load_run(url, prompts, args.new_tokens, args.concurrency))
+            print(f"round {rnd} replicas={n}: {runs[n][-1]}", flush=True)
         if current != 2:
             url, ids = deploy(args.model, 2, port)
         reqs = chat_workload(args.systems, args.per_system)
@@ -166,18 +160,16 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    load_after = os.getloadavg()
+    load.sample()
 
-    tok = {n: Spread.of([r["tok_s"] for r in runs[n]]) for n in runs}
-    p50 = {n: Spread.of([r["p50_s"] for r in runs[n]]) for n in runs}
-    print(f"\nMachine: {machine_line(machine_info())}; load average before {load_before[0]:.2f}, "
-          f"after {load_after[0]:.2f} (1 min)\n")
-    print(md_table(["replicas", "output tok/s", "latency p50 (s)"],
-                   [[n, tok[n].fmt(".1f"), p50[n].fmt(".2f")] for n in (1, 2)]))
-    r = ratio(tok[2], tok[1])
-    print(f"\n2 vs 1 replicas, throughput: {r.median:.2f}x [{r.lo:.2f}, {r.hi:.2f}]\n")
-    print(md_table(["routing", "prefix hit rate", "requests per replica"],
-                   [[k, f"{v['hit_rate']:.1%}", " / ".join(map(str, v["share"]))] for k, v in routing.items()]))
+    tok = {n: H.Spread.of([r["tok_s"] for r in runs[n]]) for n in runs}
+    p50 = {n: H.Spread.of([r["p50_s"] for r in runs[n]]) for n in runs}
+    print(f"\nMachine: {H.machine_line(H.machine_info())}; {load.line()} before and after\n")
+    print(H.md_table(["replicas", "output tok/s", "latency p50 (s)"],
+                     [[n, tok[n].fmt(".1f"), p50[n].fmt(".2f")] for n in (1, 2)]))
+    print(f"\n2 vs 1 replicas, throughput: {H.fmt_ratio(H.ratio(tok[2], tok[1]))}\n")
+    print(H.md_table(["routing", "prefix hit rate", "requests per replica"],
+                     [[k, f"{v['hit_rate']:.1%}", " / ".join(map(str, v["share"]))] for k, v in routing.items()]))
 
 
 if __name__ == "__main__":

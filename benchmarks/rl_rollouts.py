@@ -12,7 +12,6 @@ Two measurements, in one process on a quiet machine:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness as H  # noqa: E402
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model  # noqa: E402
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams  # noqa: E402
 
 
 def rollouts(model, prompts, new_tokens: int, logprobs: bool) -> H.Sample:
@@ -63,17 +62,15 @@ def update_seconds(model, prompts, repeats: int, inflight: bool) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
+    H.add_model_args(p)
     H.add_common_args(p)
-    args = p.parse_args()
+    args = H.parse(p)
     torch.manual_seed(0)
-    model, tok = load_model(None, dtype=getattr(torch, args.dtype))
-    import pydoc_data.topics as topics  # a fixed English text that ships with Python
-
-    ids = tok("\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:40000])["input_ids"]
+    model, tok = H.load(args.model, args.dtype)
+    ids = tok(H.source_text()[:40000])["input_ids"]
     prompts = [ids[i * 40 : i * 40 + 32 + (i % 4) * 8] for i in range(args.prompts)]
     machine = H.machine_info()
     monitor = H.LoadMonitor(threshold=args.noise_threshold).start()

@@ -5,7 +5,7 @@ One server (everything after the script name goes to `contbatch bench serve`):
     contbatch serve &                       # or vLLM, or `transformers serve`
     python benchmarks/serve.py --base-url http://127.0.0.1:8000/v1 --request-rate 1 2 4 inf
 
-Several servers, already running, compared under the shared harness (`harness.py`):
+Several servers, already running, compared under the shared harness (`harness/`):
 
     python benchmarks/serve.py --compare contbatch=http://127.0.0.1:8000/v1 \\
         tf-serve=http://127.0.0.1:8001/v1 --num-prompts 64 --max-concurrency 1 16 --repeats 3
@@ -22,7 +22,6 @@ says MISMATCH and its figures are not posted. See `contbatch/bench/` for what is
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -67,12 +66,10 @@ def check_servers(servers: dict, model_names: dict, requests, args) -> dict[str,
     import torch
     from transformers import GenerationConfig
 
-    import contbatch
-
     reqs = requests[:args.check_prompts]
     if not reqs:
         return {n: {"checked": False} for n in servers}
-    model, tok = contbatch.load_model(None if args.reference_model == "default" else args.reference_model)
+    model, tok = H.load(args.reference_model)
     refs = []
     with torch.inference_mode():
         for r in reqs:
@@ -104,18 +101,15 @@ def compare(argv: list[str]) -> int:
     from contbatch.bench.report import level_stats
     from contbatch.bench.runner import Load, run_level
 
-    p = argparse.ArgumentParser(prog="benchmarks/serve.py --compare", description=__doc__.split("\n")[0])
+    p = H.parser(__doc__, prog="benchmarks/serve.py --compare")
     add_arguments(p)
     p.add_argument("--compare", nargs="+", required=True, metavar="NAME=URL", help="servers to compare (their /v1 URLs)")
     p.add_argument("--pids", nargs="*", default=[], metavar="NAME=PID",
                    help="server processes, when not found by their port (their CPU counts as ours)")
     p.add_argument("--check-prompts", type=int, default=8, help="prompts checked against model.generate (0: none)")
     p.add_argument("--reference-model", default="default", help="'default' (embedded model) or a local folder")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat unless --repeats is given")
-    H.add_common_args(p)
-    args = p.parse_args(argv)
-    if args.quick and "--repeats" not in argv:
-        args.repeats = 1
+    H.add_common_args(p, quick="smoke run: 1 repeat unless --repeats is given")
+    args = H.parse(p, argv)
     servers = dict(s.split("=", 1) for s in args.compare)
     names = {n: args.model or _discover_model(u, args.api_key) for n, u in servers.items()}
     tokenizer = _tokenizer(args.tokenizer)
@@ -132,6 +126,7 @@ def compare(argv: list[str]) -> int:
     machine = H.machine_info()
     print(f"command: {H.command_line()}\nmachine: {H.machine_line(machine)}\nserver pids (own load): {sorted(set(pids))}\n"
           f"load average before: {monitor.before[0]:.2f}", flush=True)
+    monitor.warn_if_loaded()
     checks = check_servers(servers, names, requests, args)
 
     def one_pass(name: str) -> dict:
@@ -193,7 +188,7 @@ def compare(argv: list[str]) -> int:
     print(table)
     md = H.report_header("online serving comparison (`benchmarks/serve.py --compare`)", machine, load,
                          args.noise_threshold)
-    md += [f"Servers: " + ", ".join(f"{n} at {u} (model `{names[n]}`)" for n, u in servers.items()) + ". "
+    md += ["Servers: " + ", ".join(f"{n} at {u} (model `{names[n]}`)" for n, u in servers.items()) + ". "
            f"{args.num_prompts} prompts ({args.dataset}, input {args.input_len}, output {args.output_len}, "
            f"{args.endpoint}, streaming, temperature {args.temperature}); {args.repeats} timed passes per server, "
            f"interleaved, after one untimed warm-up pass each.\n", table]

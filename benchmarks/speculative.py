@@ -14,7 +14,6 @@ style: same tokenizer, no download): what this machine has, not a tuned draft.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -25,7 +24,7 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness as H  # noqa: E402
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model  # noqa: E402
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams  # noqa: E402
 
 PARAGRAPHS = [
     "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every evening the "
@@ -100,7 +99,7 @@ def run(model, ps, new_tokens: int, spec: dict | None, concurrency: int, eos: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -108,10 +107,11 @@ def main() -> None:
     p.add_argument("--systems", default="off,ngram,draft")
     p.add_argument("--workloads", default="repetitive,open-ended")
     p.add_argument("--modes", default="single,concurrent")
+    H.add_model_args(p, dtype=None)
     H.add_common_args(p)
-    args = p.parse_args()
+    args = H.parse(p)
     torch.manual_seed(0)
-    model, tok = load_model(None)
+    model, tok = H.load(args.model)
     specs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
              "draft": {"method": "draft_model", "model": early_exit_draft(model, args.draft_layers),
                        "num_speculative_tokens": args.k}}

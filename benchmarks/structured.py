@@ -16,7 +16,6 @@ Three measurements, in one process on a quiet machine:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness as H  # noqa: E402
-from contbatch import ContinuousBatchingConfig, SamplingParams, StructuredOutput, continuous_batching, load_model  # noqa: E402
+from contbatch import ContinuousBatchingConfig, SamplingParams, StructuredOutput, continuous_batching  # noqa: E402
 from contbatch.sampling.grammar import GrammarCompiler  # noqa: E402
 
 SCHEMA = {
@@ -84,14 +83,14 @@ def compile_seconds(tok, vocab: int, schema: dict, cached: bool = False) -> floa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=96, help="the constrained requests' budget")
-    p.add_argument("--dtype", default="float32")
+    H.add_model_args(p)
     H.add_common_args(p)
-    args = p.parse_args()
+    args = H.parse(p)
     torch.manual_seed(0)
-    model, tok = load_model(None, dtype=getattr(torch, args.dtype))
+    model, tok = H.load(args.model, args.dtype)
     vocab = model.get_input_embeddings().num_embeddings
     ps = prompts(tok, args.requests)
     spec = StructuredOutput(json=SCHEMA)

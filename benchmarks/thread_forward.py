@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
+from pathlib import Path
+
+import harness as H
 
 MODES = ("main", "second-thread", "engine", "engine-no-release")
 STREAM_MODES = ("stream-engine", "stream-engine-no-release", "stream-generate")
@@ -88,9 +88,7 @@ def _on_engine_thread(model, fn, release: bool):
 def child(mode: str, n: int) -> dict:
     import torch
 
-    from contbatch import load_model
-
-    model, tok = load_model()  # the main thread runs torch ops here, as every user's does
+    model, tok = H.load()  # the main thread runs torch ops here, as every user's does
     if mode == "main":
         return _measure(model, n)
     if mode == "second-thread":
@@ -127,56 +125,51 @@ def child(mode: str, n: int) -> dict:
 
 
 def run_child(mode: str, n: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--n", str(n)], capture_output=True, text=True,
-                         env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-    if out.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return H.run_child(None, ["--child", mode, "--n", n], script=str(Path(__file__).resolve()))
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    table = {}
-    for mode, rows in runs.items():
-        table[mode] = {k: {"median": statistics.median(r[k] for r in rows), "min": min(r[k] for r in rows),
-                           "max": max(r[k] for r in rows)} for k in rows[0]}
-    return table
+def print_table(table: dict[str, dict[str, H.Spread]], stream: bool) -> None:
+    main_row = table["main"]
+    rows = []
+    for mode in MODES:
+        one, many = table[mode]["1_token_ms"], table[mode]["64_tokens_ms"]
+        ratio = (f"{one.median / main_row['1_token_ms'].median:.2f} / "
+                 f"{many.median / main_row['64_tokens_ms'].median:.2f}")
+        switches = (f"{table[mode]['switches_per_forward_1'].median:.1f} / "
+                    f"{table[mode]['switches_per_forward_64'].median:.1f}")
+        rows.append([mode, one.fmt(), many.fmt(), ratio, switches])
+    print(H.md_table(["where", "1 token ms", "64 tokens ms", "vs main (1 / 64)", "switches per forward (1 / 64)"],
+                     rows))
+    if stream:
+        print("\n" + H.md_table(["one request, 256 new tokens", "tok/s median [min, max]"],
+                                [[mode, table[mode]["tok_s"].fmt()] for mode in STREAM_MODES]))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, whole_doc=True)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--n", type=int, default=30, help="timed forwards of one token per process")
     p.add_argument("--no-stream", action="store_true", help="skip the end-to-end single-stream rows")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = H.parse(p)
     if args.child:
-        print(json.dumps(child(args.child, args.n)))
+        H.emit(child(args.child, args.n))
         return
     modes = MODES + (() if args.no_stream else STREAM_MODES)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    load = [os.getloadavg()[0]]
+    load = H.LoadRange()
     for r in range(args.repeats):
         for mode in modes if r % 2 == 0 else reversed(modes):  # interleaved, order alternating
             runs[mode].append(run_child(mode, args.n))
-            load.append(os.getloadavg()[0])
-    table = summarize(runs)
-    main_row = table["main"]
-    print(f"load average (1 min) during the run: {min(load):.2f}-{max(load):.2f}; {args.repeats} interleaved rounds")
-    print(f"{'mode':<20} {'1 token ms':>20} {'64 tokens ms':>22} {'vs main (1/64)':>16} {'switches/fwd':>14}")
-    for mode in MODES:
-        row = table[mode]
-        one, many = row["1_token_ms"], row["64_tokens_ms"]
-        ratio = f"{one['median'] / main_row['1_token_ms']['median']:.2f}/{many['median'] / main_row['64_tokens_ms']['median']:.2f}"
-        print(f"{mode:<20} {one['median']:7.1f} [{one['min']:.1f}-{one['max']:.1f}] "
-              f"{many['median']:8.1f} [{many['min']:.1f}-{many['max']:.1f}] {ratio:>16} "
-              f"{row['switches_per_forward_1']['median']:6.1f}/{row['switches_per_forward_64']['median']:.1f}")
-    for mode in () if args.no_stream else STREAM_MODES:
-        t = table[mode]["tok_s"]
-        print(f"{mode:<26} {t['median']:6.1f} tok/s [{t['min']:.1f}-{t['max']:.1f}]")
+            load.sample()
+    table = {mode: H.spreads(rows) for mode, rows in runs.items()}
+    print(f"{load.line()} during the run; {args.repeats} interleaved rounds")
+    print_table(table, not args.no_stream)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load": load, "runs": runs, "table": table}, f, indent=1)
+            json.dump({"load": load.values, "runs": runs,
+                       "table": {m: {k: v.as_dict() for k, v in t.items()} for m, t in table.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness as H
+
 _COMM = {"seconds": 0.0, "calls": 0}
 
 
@@ -55,21 +57,12 @@ def time_collectives() -> None:
 
 
 def build_model(out: Path, layers: int, hidden: int) -> None:
-    import torch
-    import transformers
-    from transformers import AutoTokenizer
-
-    from contbatch.models import default_model_dir
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True, initializer_range=0.2,
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    """A random-weight Llama with 2 KV heads and the default tokenizer, saved to `out`."""
+    tok = H.default_tokenizer()
+    model = H.random_llama(seed=0, tokenizer=tok, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                           num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=2048, initializer_range=0.2)
+    model.save_pretrained(out)
     tok.save_pretrained(out)
 
 
@@ -81,7 +74,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model
-    from contbatch.distributed import run_worker
+    from contbatch.engine import run_worker
 
     tp = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -97,7 +90,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if tp > 1:
         time_collectives()
     # The same linear kernels at every size (TP turns the CPU linear router off): only TP differs.
-    config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, cpu_linear_kernel="aten")
+    config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, cpu_kernel_overrides={"linear": "aten"})
     manager = ContinuousBatchingManager(model, None, config)
     runner = manager.core.runner
     manager.start()
@@ -129,12 +122,8 @@ def rank_main(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]"
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, whole_doc=True)
     p.add_argument("--model", default=None, help="HF folder with 2 KV heads (default: a random small Llama)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
@@ -148,7 +137,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="write the JSON summary here")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = H.parse(p)
     if args.rank:
         return rank_main(args)
 
@@ -164,23 +153,21 @@ def main() -> None:
     systems = [("tp1", 1, cores), ("tp2", 2, max(1, cores // 2))]
     if args.device == "cpu" and cores // 2 != cores:
         systems.append(("tp1-half", 1, max(1, cores // 2)))
-    load_before = os.getloadavg()[0]
+    load = H.LoadRange()
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
-    for r in range(args.rounds):
-        order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotated each round
-        for name, ranks, threads in order:
-            out = tmp / f"{name}-{r}.json"
-            cmd = [sys.executable, __file__, "--rank", "--model", args.model, "--out", str(out),
-                   *(f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
-                     ("prompts", "prompt-len", "new-tokens", "max-batch-tokens", "repeats", "device"))]
-            status = spawn(ranks, cmd, timeout=args.timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-            if status != 0:
-                sys.exit(f"{name} run failed with status {status}")
-            runs[name].append(json.loads(out.read_text()))
-    load_after = os.getloadavg()[0]
+    for r, (name, ranks, threads) in H.rounds(systems, args.rounds):  # the order rotated each round
+        out = tmp / f"{name}-{r}.json"
+        cmd = [sys.executable, __file__, "--rank", "--model", args.model, "--out", str(out),
+               *(f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+                 ("prompts", "prompt-len", "new-tokens", "max-batch-tokens", "repeats", "device"))]
+        status = spawn(ranks, cmd, timeout=args.timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if status != 0:
+            sys.exit(f"{name} run failed with status {status}")
+        runs[name].append(json.loads(out.read_text()))
+        load.sample()
     rate = {name: [r["tokens_per_batch"] / t for r in rs for t in r["times"]] for name, rs in runs.items()}
     same = all(r["first_tokens"] == runs["tp1"][0]["first_tokens"] for rs in runs.values() for r in rs)
-    summary = {"load_1min_before": load_before, "load_1min_after": load_after, "tokens_equal": same,
+    summary = {"load_1min": load.values, "tokens_equal": same,
                "model": args.model, "args": {k: v for k, v in vars(args).items() if k != "rank"}}
     rows = []
     for name, ranks, threads in systems:
@@ -190,16 +177,14 @@ def main() -> None:
         step = [t * 1e3 / (r["steps"] / len(r["times"])) for r in rs for t in r["times"]]
         summary[name] = {"ranks": ranks, "threads_per_rank": threads, "tok_s": rate[name], "step_ms": step,
                          "broadcast_ms_per_step": bc, "collective_ms_per_step": coll}
-        rows.append(f"| TP={ranks}, {threads} thread{'s' * (threads > 1)} per rank | {spread(rate[name])} | "
-                    f"{spread(step)} | {spread(bc) if ranks > 1 else '-'} | {spread(coll) if ranks > 1 else '-'} |")
+        rows.append([f"TP={ranks}, {threads} thread{'s' * (threads > 1)} per rank", H.Spread.of(rate[name]).fmt(),
+                     H.Spread.of(step).fmt(), H.Spread.of(bc).fmt() if ranks > 1 else "-",
+                     H.Spread.of(coll).fmt() if ranks > 1 else "-"])
     ratios = {name: statistics.median(rate["tp2"]) / statistics.median(rate[name]) for name in runs if name != "tp2"}
     print(f"# TP benchmark: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
-          f"{args.rounds} rounds x {args.repeats} batches, model {args.model}; load (1 min) {load_before:.2f} "
-          f"before, {load_after:.2f} after")
-    print("| system | tokens/s | ms per step | rank 0 batch broadcast, ms/step | model collectives on rank 0, "
-          "ms/step |")
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
+          f"{args.rounds} rounds x {args.repeats} batches, model {args.model}; {load.line()}")
+    print(H.md_table(["system", "tokens/s", "ms per step", "rank 0 batch broadcast, ms/step",
+                      "model collectives on rank 0, ms/step"], rows, [False] * 5))
     print("TP=2 throughput / " + ", ".join(f"{name}: {v:.2f}x" for name, v in ratios.items())
           + f"; greedy tokens equal everywhere: {same}")
     summary["tp2_throughput_ratio"] = ratios

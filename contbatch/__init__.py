@@ -4,7 +4,7 @@ from .api import continuous_batching, generate_batch
 from .cache import BlockManager, PagedAttentionCache
 from .config import ContinuousBatchingConfig, ResolvedConfig
 from .engine import ContinuousBatchingManager
-from .models import load_model
+from .setup.loading import load_model
 from .requests import GenerationOutput, RequestState, RequestStatus
 from .sampling import SamplingParams, StructuredOutput
 from .scheduling import FIFOScheduler, PrefillFirstScheduler, Scheduler

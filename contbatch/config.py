@@ -6,7 +6,15 @@ and the workload hints; `ContinuousBatchingManager.resolved_config` returns what
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import functools
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from .cpu import knobs
+
+if TYPE_CHECKING:
+    from .cpu.plan import CpuPlan
 
 MIN_BLOCK_SIZE = 4
 DEFAULT_BLOCK_SIZE = 256
@@ -15,14 +23,13 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 # as four 2048-token ones (activations far past the caches), and end to end 2048 ran
 # 1.4-1.5x faster in benchmarks/offline.py. A GPU wants the larger steps.
 DEFAULT_CPU_MAX_BATCH_TOKENS = 2048
-MIN_MAX_BATCH_TOKENS = 256
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
-DEFAULT_MAX_MEMORY_PERCENT = 0.9
+DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of a GPU's free memory, for the KV cache
+DEFAULT_CPU_MAX_MEMORY_PERCENT = 0.2  # of the available RAM, on the CPU (shared with weights and activations)
 SCHEDULER_TYPES = ("fifo", "prefill_first")
-# "auto" picks flash-attn, else Triton on CUDA, and "torch" on the CPU (see attention/backend.py).
+# "auto" picks flash-attn, else Triton on CUDA, and "torch" on the CPU (see attention/select.py).
 # "reference" runs the GPU batch layout with PyTorch attention: for testing on any device.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash", "reference")
-CPU_LINEAR_KERNELS = ("auto", "aten", "onednn", "native", "upcast")  # see engine/cpu_linear.py
 DEFAULT_Q_PADDING_INTERVAL = 64
 DEFAULT_KV_PADDING_INTERVAL = 256
 DEFAULT_MAX_CACHED_GRAPHS = 32
@@ -32,6 +39,31 @@ DEFAULT_CUDA_GRAPH_MAX_TOKENS = 1024
 DEFAULT_SAFETY_MARGINS = {"fifo": 0.15, "prefill_first": 0.0}
 
 
+def _accepts_deprecated_fields(cls: type) -> type:
+    """Fields of earlier versions accepted as keywords for one release, with a warning: the CPU
+    kernel fields (`cpu.knobs.DEPRECATED_FIELDS`), each mapped into `cpu_kernel_overrides`, and
+    `max_cpu_memory_percent`, into `max_memory_percent`."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        if "max_cpu_memory_percent" in kwargs:  # merged into max_memory_percent, which now applies on the CPU too
+            warnings.warn("ContinuousBatchingConfig(max_cpu_memory_percent=...) is deprecated and will be "
+                          "removed in the next release: use max_memory_percent, the share of the memory of the "
+                          "device the cache lives on", DeprecationWarning, stacklevel=2)
+            value = kwargs.pop("max_cpu_memory_percent")
+            if kwargs.get("max_memory_percent") is None:
+                kwargs["max_memory_percent"] = value
+        old = {name: kwargs.pop(name) for name in list(kwargs) if name in knobs.DEPRECATED_FIELDS}
+        if old:
+            kwargs["cpu_kernel_overrides"] = knobs.merge_deprecated(kwargs.get("cpu_kernel_overrides"), old)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_accepts_deprecated_fields
 @dataclass
 class ContinuousBatchingConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -39,9 +71,9 @@ class ContinuousBatchingConfig:
     max_batch_tokens: int | None = None
     max_requests_per_batch: int | None = None
     max_blocks_per_request: int | None = None
+    # Share of the memory of the device the KV cache lives on that it may take (None: 0.9 of a
+    # GPU's free memory; 0.2 of the available RAM on the CPU).
     max_memory_percent: float | None = None
-    # Share of available host RAM the KV cache may take when it lives on the CPU.
-    max_cpu_memory_percent: float = 0.2
     # Workload hints: size the cache and block tables for the real requests.
     max_prompt_length: int | None = None
     max_generated_length: int | None = None
@@ -70,45 +102,23 @@ class ContinuousBatchingConfig:
     # torch.compile of the whole step: 0 none, 1 default + dynamic, 2 max-autotune-no-cudagraphs
     # + dynamic, 3 the same with dynamic=False. A transformers `CompileConfig` per path (decode-
     # only steps, every other step) overrides the level for that path.
-    default_compile_level: int | None = None  # None: 0, by measurement (see engine/compile.py)
+    default_compile_level: int | None = None  # None: 0, by measurement (see runtime/compile.py)
     decode_compile_config: object | None = None
     varlen_compile_config: object | None = None
-    # CPU linear layers: "auto" times aten (MKL in float32), oneDNN, our few-row C++ kernel and (16-bit
-    # weights) the float32 product on the model's weight shapes at start-up and routes each to the
-    # fastest (see engine/cpu_linear.py).
-    cpu_linear_kernel: str = "auto"
-    # Layers routed to oneDNN keep a prepacked (blocked) copy of their weight while the manager
-    # runs: 1.2-1.5x faster at decode batch sizes, bit-identical results, repacked when a weight
-    # changes; only where the copies fit in a quarter of the available RAM (see engine/cpu_linear.py).
-    cpu_linear_prepack: bool = True
-    # CPU RMSNorm layers: "auto" runs each norm class whose own forward matches our fused C++ op
-    # at start-up as one call inside engine steps (see engine/cpu_norm.py); "aten" never does.
-    cpu_rms_norm_kernel: str = "auto"
-    # CPU rotary embeddings: "auto" runs a modeling file's `apply_rotary_pos_emb` as one fused C++
-    # call inside engine steps where it matched the original bit for bit at start-up
-    # (see engine/cpu_rotary.py); "aten" never does.
-    cpu_rotary_kernel: str = "auto"
-    # CPU decoder layers: "auto" runs each Llama-family decoder layer (Llama, Mistral, Qwen2/3) as
-    # one C++ call inside engine steps, where its norms, rotary, linears and attention already run
-    # on our kernels, checked bit-identical to the layer's own forward on each kind of step's first
-    # (see engine/cpu_layer.py), and from each kind of step's second the whole stack as one call
-    # where the first showed the model's loop a plain chain; "layer" stops at one call per layer;
-    # "aten" keeps every layer's own forward.
-    cpu_layer_kernel: str = "auto"
-    # CPU prefill attention (prompt chunks) on the torch backend: "auto" runs our C++ kernel, one
-    # call per layer for every chunk of the step, reading K/V in place (attention/cpu_kernel.py);
-    # "aten" runs SDPA one request at a time (the reference the kernel is tested against).
-    cpu_prefill_kernel: str = "auto"
+    # Our CPU kernels (cpu/, docs/cpu.md): "auto" runs each where it was measured faster, or
+    # checked equal to the module it replaces, at start-up; "off" keeps PyTorch's own ops.
+    cpu_kernels: str = "auto"
+    # Per-kernel choices on top of `cpu_kernels`, for A/B work: keys "linear", "linear_prepack",
+    # "norm", "rotary", "layer", "prefill" (cpu/knobs.py lists the values each takes).
+    cpu_kernel_overrides: dict | None = None
     # Every request returns its chosen tokens' log-probabilities (of the processed logits, as
     # `SamplingParams(logprobs=True)` does per request): RL rollouts need no re-scoring pass.
     return_logprobs: bool = False
     # Speculative decoding: a SpeculativeConfig (or a dict of its fields), e.g.
     # {"method": "ngram", "num_speculative_tokens": 4}; None: off.
-    speculative_config: object | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
-        from .speculative.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         if self.block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"Block size must be at least {MIN_BLOCK_SIZE}, but got {self.block_size}")
@@ -120,10 +130,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"max_requests_per_batch must be >= 1, got {self.max_requests_per_batch}")
         if self.max_blocks_per_request is not None and self.max_blocks_per_request < 1:
             raise ValueError(f"max_blocks_per_request must be >= 1, got {self.max_blocks_per_request}")
-        for name in ("max_memory_percent", "max_cpu_memory_percent"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
         if self.scheduler_type not in SCHEDULER_TYPES:
             raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
         if self.safety_margin is not None and not 0.0 <= self.safety_margin <= 1.0:
@@ -147,18 +155,90 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_compile_level not in (None, 0, 1, 2, 3):
             raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}")
-        if self.cpu_rotary_kernel not in ("auto", "aten"):
-            raise ValueError(f"cpu_rotary_kernel must be 'auto' or 'aten', got {self.cpu_rotary_kernel!r}")
-        if self.cpu_prefill_kernel not in ("auto", "aten"):
-            raise ValueError(f"cpu_prefill_kernel must be 'auto' or 'aten', got {self.cpu_prefill_kernel!r}")
-        if self.cpu_layer_kernel not in ("auto", "layer", "aten"):
-            raise ValueError(f"cpu_layer_kernel must be 'auto', 'layer' or 'aten', got {self.cpu_layer_kernel!r}")
-        if self.cpu_rms_norm_kernel not in ("auto", "aten"):
-            raise ValueError(f"cpu_rms_norm_kernel must be 'auto' or 'aten', got {self.cpu_rms_norm_kernel!r}")
-        if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:
-            raise ValueError(f"cpu_linear_kernel must be one of {CPU_LINEAR_KERNELS}, got {self.cpu_linear_kernel!r}")
+        self.cpu_kernel_overrides = knobs.check(self.cpu_kernels, self.cpu_kernel_overrides)
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+
+
+# -- speculative decoding: what to propose with (vLLM's `speculative_config` names) ------------
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # proposals per request per step (k)
+    # n-gram prompt lookup: match the last n tokens (longest n first) against the request's
+    # own prompt and output, and propose what followed the most recent match.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # draft_model: a smaller causal LM with the target's tokenizer (a path, a hub id, or a
+    # loaded module), run greedily with its own paged cache.
+    model: object | None = None
+    # Adaptive: a request whose recent acceptance rate (an exponential average over its
+    # verification steps) falls below this stops proposing for a while, then tries again
+    # (the pause doubles each time, up to `max_pause_steps`). 0 never pauses.
+    min_acceptance_rate: float = 0.3
+    max_pause_steps: int = 256
+    # Proposals are handed out (oldest request first) only while the step's decoding requests
+    # plus the tokens proposed so far stay within this many rows. Up to about that many rows a
+    # step costs what one row costs (it reads every weight once); past it, rows cost compute,
+    # and a rejected proposal costs more than it saves. None: 24 on the CPU (measured on the
+    # default model: 4 requests x (1 + 4) rows ran 2.2x faster with n-gram proposals, 8 x 5
+    # rows 1.05x), 256 on a GPU.
+    max_step_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative method 'draft_model' needs `model` (a path, hub id or loaded model)")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")
+        if self.max_step_rows is not None and self.max_step_rows < 2:
+            raise ValueError(f"max_step_rows must be >= 2, got {self.max_step_rows}")
+        if self.max_pause_steps < 1:
+            raise ValueError(f"max_pause_steps must be >= 1, got {self.max_pause_steps}")
+
+    @classmethod
+    def coerce(cls, value) -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+    def describe(self) -> str:
+        what = (f"n-gram lookup (n {self.prompt_lookup_min}..{self.prompt_lookup_max})" if self.method == "ngram"
+                else f"draft model {getattr(self.model, 'name_or_path', None) or self.model!r}")
+        return (f"{what}, k={self.num_speculative_tokens}, pause below {self.min_acceptance_rate:.0%} acceptance, "
+                f"proposals while a step has <= {self.max_step_rows} rows")
+
+
+# -- what `torch.compile` runs a step path with ----------------------------------------------
+@dataclass(frozen=True)
+class CompileChoice:
+    mode: str
+    dynamic: bool | None
+    backend: str = "inductor"
+    fullgraph: bool = True
+    options: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        extra = f" options={self.options}" if self.options else ""
+        return f"{self.backend}/{self.mode} dynamic={self.dynamic}{extra}"
+
+    def kwargs(self) -> dict:
+        kw = {"mode": self.mode, "dynamic": self.dynamic, "backend": self.backend, "fullgraph": self.fullgraph}
+        if self.options:  # torch.compile takes either a mode or options, not both
+            kw.pop("mode")
+            kw["options"] = dict(self.options)
+        return kw
 
 
 @dataclass(frozen=True)
@@ -180,7 +260,7 @@ class ResolvedConfig:
     decode_fast_path: bool
     max_queue_size: int
     kv_cache_bytes: int
-    prefix_sharing: bool
+    allow_block_sharing: bool  # prefix caching in force
     prefix_cache_eviction: str
     hold_shared_prefixes: bool
     cpu_offload_blocks: int
@@ -189,20 +269,16 @@ class ResolvedConfig:
     kv_layout: str = "heads-first"  # "heads-first" [H_kv, slots, D] or "token-major" [slots, H_kv, D]
     use_cuda_graph: bool = False
     use_async_batching: bool = False
-    cpu_prefill_kernel: bool = False  # the torch backend's prefill chunks run our C++ kernel (else SDPA)
     q_padding_interval_size: int = DEFAULT_Q_PADDING_INTERVAL
     kv_padding_interval_size: int = DEFAULT_KV_PADDING_INTERVAL
     max_cached_graphs: int = DEFAULT_MAX_CACHED_GRAPHS
     cuda_graph_max_tokens: int = DEFAULT_CUDA_GRAPH_MAX_TOKENS  # larger varlen steps run eagerly
-    compile_level: int = 0
-    decode_compile: object | None = None  # CompileChoice, or None: eager
-    varlen_compile: object | None = None
-    cpu_linear: object | None = None  # LinearPlan: the kernel of each linear weight shape, per row regime
-    cpu_rms_norm: object | None = None  # NormPlan: the RMSNorm classes run as one fused call
-    cpu_rotary: object | None = None  # RotaryPlan: the modeling files whose rotary runs as one fused call
-    cpu_layer: object | None = None  # LayerPlan: the decoder layers run as one C++ call in steps
+    default_compile_level: int = 0
+    decode_compile: CompileChoice | None = None  # None: eager
+    varlen_compile: CompileChoice | None = None
+    cpu: CpuPlan | None = None  # the CPU kernels in force: linear, norm, rotary, layer and prefill choices
     return_logprobs: bool = False
-    speculative: object | None = None  # SpeculativeConfig in force, or None
+    speculative: SpeculativeConfig | None = None  # in force, or None
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's
     # collectives (None: one process), and the KV heads this rank's cache holds.
     tp_size: int = 1

@@ -98,7 +98,7 @@ def tiny_dir(tmp_path_factory):
     import transformers
     from transformers import AutoTokenizer
 
-    from contbatch.models import default_model_dir
+    from contbatch.setup.loading import default_model_dir
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))

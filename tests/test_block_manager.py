@@ -284,7 +284,7 @@ class PrefixSharingMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]), eviction=st.sampled_from(["lru", "mru"])
     )
     def create(self, num_blocks, block_size, eviction):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_sharing=True, eviction=eviction)
+        self.bm = BlockManager(num_blocks, block_size, allow_block_sharing=True, eviction=eviction)
 
     def _slot(self, rid, p):
         bs = self.bm.block_size

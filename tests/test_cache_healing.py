@@ -26,8 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from contbatch import models, native
-from contbatch.engine import cpu_linear
+from contbatch.setup import loading as models
+from contbatch.cpu import native, probe
+from contbatch.cpu.routers.linear import plan_linear
 
 from conftest import make_tiny_model
 
@@ -62,7 +63,7 @@ def build(name, build_directory, **kwargs):
     with open(builds, "a") as f:
         f.write(name + "\n")
 cpp_extension._write_ninja_file_and_build_library = build
-from contbatch import native
+from contbatch.cpu import native
 print(json.dumps(native.load()))
 """
 
@@ -170,7 +171,7 @@ def test_kill_9_during_a_real_first_build_then_start_again(tmp_path):
     """The real compiler, killed with SIGKILL (its whole process group) in the middle of the
     first build; the next start builds, the one after loads."""
     env = dict(os.environ, CONTBATCH_CACHE=str(tmp_path), MAX_JOBS="1")
-    load = "import json; from contbatch import native; print(json.dumps(native.load()))"
+    load = "import json; from contbatch.cpu import native; print(json.dumps(native.load()))"
     baton = tmp_path / "ext" / native.build_key() / "lock"
     builder = subprocess.Popen([sys.executable, "-c", load], cwd=ROOT, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -384,9 +385,9 @@ def probe_process(tmp_path, monkeypatch):
     native.load()
     monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
 
-    def new_process() -> cpu_linear.ProbeStore:
-        store = cpu_linear.ProbeStore()
-        monkeypatch.setattr(cpu_linear, "_store", store)
+    def new_process() -> probe.ProbeStore:
+        store = probe.ProbeStore()
+        monkeypatch.setattr(probe, "store", store)
         return store
 
     return new_process
@@ -397,7 +398,7 @@ def test_damaged_probe_entries_are_dropped_and_probed_again(llama_model, probe_p
     zero) naming no file. Each is dropped with one warning naming the file, probed again,
     and written back whole; the intact entry is still used."""
     store = probe_process()
-    cpu_linear.plan_linear(llama_model)
+    plan_linear(llama_model)
     path, entries = store.path, json.loads(store.path.read_text())
     keys = sorted(entries)
     damaged = [{}, {k: 0.0 for k in entries[keys[1]]}, {k: -1.0 for k in entries[keys[2]]}, {"aten": "fast"},
@@ -411,7 +412,7 @@ def test_damaged_probe_entries_are_dropped_and_probed_again(llama_model, probe_p
     path.write_text(json.dumps({**entries, **broken}))
     store = probe_process()
     with caplog.at_level(logging.WARNING, "contbatch"):
-        again = cpu_linear.plan_linear(llama_model)
+        again = plan_linear(llama_model)
     assert len(_warnings_naming(caplog, path)) == 1
     assert store.probed == len(broken) and store.hits == len(keys) - len(broken)
     assert "other verdicts reused" in again.summary
@@ -435,7 +436,7 @@ def test_a_probe_file_that_is_not_timings_never_fails_a_start(probe_process, tex
 SAVE_ON_A_FULL_DISK = r"""
 import resource, signal, sys
 from pathlib import Path
-from contbatch.engine.cpu_linear import ProbeStore
+from contbatch.cpu.probe import ProbeStore
 store = ProbeStore(path=Path(sys.argv[1]))
 for i in range(20):
     store.put(f"{i + 1}x64 rows=1 threads=1 pool=1 torch.float32 aten", {"aten": 1e-05})

@@ -57,7 +57,7 @@ def _run(tmp_path, name: str, *extra: str) -> dict:
 def test_generate_sampling_top_p_and_stop_flags(tmp_path, capsys, default_model, monkeypatch):
     """Seeded sampling is not greedy; `--top-p` reaches the sampler (a tiny nucleus is the
     greedy token, whatever the temperature); `--stop` cuts the text at a stop string. (The
-    session's default model is handed to the command: loading it is tested above.)"""
+    pytest session's default model is handed to the command: loading it is tested above.)"""
     import contbatch
 
     monkeypatch.setattr(contbatch, "load_model", lambda *args, **kwargs: default_model)

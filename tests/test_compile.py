@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching, native
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, continuous_batching
+from contbatch.cpu import native
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -47,7 +48,7 @@ def test_compile_level_is_validated_and_reported(llama_model):
     config = ContinuousBatchingConfig(block_size=4, default_compile_level=2,
                                       varlen_compile_config=CompileConfig(mode="reduce-overhead", dynamic=True))
     r = ContinuousBatchingManager(llama_model, GREEDY, config).resolved_config
-    assert r.compile_level == 2 and r.decode_compile.mode == "max-autotune-no-cudagraphs"
+    assert r.default_compile_level == 2 and r.decode_compile.mode == "max-autotune-no-cudagraphs"
     assert r.varlen_compile.mode == "default" and any("reduce-overhead" in w for w in r.warnings)
 
 
@@ -56,9 +57,9 @@ def test_whole_step_traces_without_a_graph_break(default_model):
     fullgraph=True turns any break into an error. Chat prompts, exact against generate."""
     model, tok = default_model
     eager = CompileConfig(backend="eager", fullgraph=True, dynamic=True)
-    # Linear layers routed to oneDNN too (engine/cpu_linear.py): the routing must not break the graph.
+    # Linear layers routed to oneDNN too (cpu/routers/linear.py): the routing must not break the graph.
     config = ContinuousBatchingConfig(block_size=16, decode_compile_config=eager, varlen_compile_config=eager,
-                                      cpu_linear_kernel="onednn")
+                                      cpu_kernel_overrides={"linear": "onednn"})
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for q in ("What is the capital of France?", "Say hi.")]
     with continuous_batching(model, GenerationConfig(max_new_tokens=6, do_sample=False), config) as m:
@@ -139,7 +140,7 @@ def test_one_graph_serves_every_row_count():
     # The warm-up's step is padded to 32 tokens and samples 32 rows (one per possible request),
     # a step of 60-90 tokens samples 32: sizes first seen equal must not stay tied.
     config = ContinuousBatchingConfig(block_size=4, decode_compile_config=traced, varlen_compile_config=traced,
-                                      cpu_linear_kernel="native", q_padding_interval_size=8, max_requests_per_batch=32)
+                                      cpu_kernel_overrides={"linear": "small_linear"}, q_padding_interval_size=8, max_requests_per_batch=32)
     gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
     with continuous_batching(model, gen, config) as m:
         for prompts in (random_prompts(3, 20, 30, seed=2), random_prompts(1, 12, 13, seed=3), [[5]]):
@@ -164,7 +165,7 @@ def test_a_second_manager_reuses_the_compiled_step():
 
     traced = CompileConfig(backend=recording, fullgraph=True, dynamic=True)
     config = ContinuousBatchingConfig(block_size=4, decode_compile_config=traced, varlen_compile_config=traced,
-                                      cpu_linear_kernel="native")
+                                      cpu_kernel_overrides={"linear": "small_linear"})
     prompts = random_prompts(6, 2, 30, seed=8)
     compiles = []
     for _ in range(2):
@@ -218,7 +219,7 @@ def test_layers_of_too_many_kinds_are_not_regions():
     """A stack whose layers differ in more than MAX_REGION_KINDS ways is traced layer by
     layer (a region would be looked up and traced anyway); alike layers are marked once, and
     marking again changes nothing."""
-    from contbatch.engine import compile as compile_mod
+    from contbatch.runtime import compile as compile_mod
 
     model = make_tiny_model("gemma2")
     assert compile_mod.mark_layer_regions(model) == 4 == compile_mod.mark_layer_regions(model)
@@ -251,13 +252,14 @@ def test_compiled_bfloat16_step_calls_the_upcast_linear():
     outs = {}
     for name, compile_config in (("eager", None), ("compiled", traced)):
         config = ContinuousBatchingConfig(block_size=4, decode_compile_config=compile_config,
-                                          varlen_compile_config=compile_config, cpu_linear_kernel="upcast")
+                                          varlen_compile_config=compile_config,
+                                          cpu_kernel_overrides={"linear": "upcast"})
         with continuous_batching(model, gc, config) as m:
-            assert "upcast for 5 of 5 weight shapes" in m.resolved_config.cpu_linear.summary
+            assert "upcast for 5 of 5 weight shapes" in m.resolved_config.cpu.linear.summary
             outs[name] = [m.get_result(rid, timeout=600).generated_tokens for rid in m.add_requests(prompts)]
     assert outs["compiled"] == outs["eager"]
     assert any("upcast_linear" in t for t in targets), "the compiled step does not call the upcast linear"
     # float32 layers have nothing to upcast: the forced kernel leaves them on aten, and says so.
     plan = ContinuousBatchingManager(make_tiny_model("llama"), config=ContinuousBatchingConfig(
-        cpu_linear_kernel="upcast")).resolved_config.cpu_linear
+        cpu_kernel_overrides={"linear": "upcast"})).resolved_config.cpu.linear
     assert not plan.routes_anything and "upcast is not available here" in plan.summary

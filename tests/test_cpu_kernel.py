@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernels (attention/cpu_kernel.py): decode rows and prompt chunks read
+"""The C++ CPU attention kernels (cpu/ops.py): decode rows and prompt chunks read
 K/V in place and match the math."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
-from contbatch.attention import backend as backend_mod
-from contbatch.attention import cpu_kernel
+from contbatch.attention import select as backend_mod
+from contbatch.cpu import ops as cpu_ops
 
 from conftest import dense_attention, random_prompts, reference_generate
 
-AVAILABLE, HOW = cpu_kernel.load()
+AVAILABLE, HOW = cpu_ops.load_attention()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU kernel: {HOW}")
 
 
@@ -37,7 +37,7 @@ def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_maj
     table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(rows)]).int()
     lens = torch.tensor([1, 2, 3, 4, 5, 17, 31, 32, 9], dtype=torch.int32)
     sinks = torch.randn(heads, generator=gen) if with_sinks else None
-    out = cpu_kernel.paged_decode(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
+    out = cpu_ops.paged_decode(q, k, v, table, lens, sinks, bs, 0.3, window, cap)
     ref = torch.cat([dense_attention(q[b : b + 1], k, v, table[b], int(n), bs, 0.3, window, cap, sinks)
                      for b, n in enumerate(lens)])
     assert out.dtype == dtype and out.shape == q.shape
@@ -67,7 +67,7 @@ def test_prefill_kernel_matches_reference(dtype, tol, window, cap, with_sinks, d
     kv_lens = torch.tensor([kv for _, kv in chunks], dtype=torch.int32)
     sinks = torch.randn(heads, generator=gen) if with_sinks else None
     out = torch.full_like(q, 7.0)
-    cpu_kernel.paged_prefill(q, k, v, table, q_start, q_lens, kv_lens, sinks, bs, 0.3, window, cap, out)
+    cpu_ops.paged_prefill(q, k, v, table, q_start, q_lens, kv_lens, sinks, bs, 0.3, window, cap, out)
     assert (out[:decode_rows] == 7.0).all()
     for c, (n, kv) in enumerate(chunks):
         rows = slice(int(q_start[c]), int(q_start[c]) + n)
@@ -85,15 +85,15 @@ def test_prefill_kernel_reads_strided_queries_and_refuses_bad_inputs():
     args = (torch.tensor([0], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
             torch.tensor([30], dtype=torch.int32))
     out = torch.empty(20, 4, 32)
-    cpu_kernel.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out)
+    cpu_ops.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out)
     torch.testing.assert_close(out, dense_attention(q, k, v, table[0], 30, 8, 0.5, None, None).float())
     with pytest.raises(RuntimeError, match="inconsistent"):  # 20 query tokens cannot see only 10 keys
-        cpu_kernel.paged_prefill(q, k, v, table, args[0], args[1], torch.tensor([10], dtype=torch.int32), None, 8,
+        cpu_ops.paged_prefill(q, k, v, table, args[0], args[1], torch.tensor([10], dtype=torch.int32), None, 8,
                                  0.5, None, None, out)
     with pytest.raises(RuntimeError, match="int32"):
-        cpu_kernel.paged_prefill(q, k, v, table.long(), *args, None, 8, 0.5, None, None, out)
+        cpu_ops.paged_prefill(q, k, v, table.long(), *args, None, 8, 0.5, None, None, out)
     with pytest.raises(RuntimeError, match="shaped as query"):
-        cpu_kernel.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out[:10])
+        cpu_ops.paged_prefill(q, k, v, table, *args, None, 8, 0.5, None, None, out[:10])
 
 
 @needs_kernel
@@ -102,13 +102,13 @@ def test_kernel_refuses_bad_inputs():
     k = v = torch.randn(3, 16, 8)  # 4 query heads over 3 KV heads
     table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        cpu_kernel.paged_decode(q, k, v, table, lens, None, 4, 1.0, None, None)
+        cpu_ops.paged_decode(q, k, v, table, lens, None, 4, 1.0, None, None)
     with pytest.raises(RuntimeError, match="int32"):
-        cpu_kernel.paged_decode(q, k[:2], v[:2], table.long(), lens, None, 4, 1.0, None, None)
+        cpu_ops.paged_decode(q, k[:2], v[:2], table.long(), lens, None, 4, 1.0, None, None)
 
 
 @needs_kernel
-@pytest.mark.parametrize("fast,prefill,spec,mbt", [(True, "auto", False, 32), (False, "aten", False, 32),
+@pytest.mark.parametrize("fast,prefill,spec,mbt", [(True, "auto", False, 32), (False, "off", False, 32),
                                                    (True, "auto", True, 32), (True, "auto", False, 96),
                                                    (False, "auto", False, 96)],
                          ids=["kernels", "gather-sdpa", "kernels-speculative", "prefill-kernel", "gather-prefill-kernel"])
@@ -121,10 +121,10 @@ def test_engine_exact_with_and_without_the_kernel(sliding_model, fast, prefill, 
     prompts = random_prompts(10, 1, 40, seed=21) + ([p * 3 for p in random_prompts(4, 3, 6, seed=22)] if spec else [])
     prompts += random_prompts(2, 100, 150, seed=23) if mbt > 32 else []
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=mbt, decode_fast_path=fast,
-                                      cpu_prefill_kernel=prefill,
+                                      cpu_kernel_overrides={"prefill": prefill},
                                       speculative_config={"method": "ngram"} if spec else None)
     resolved = ContinuousBatchingManager(sliding_model, config=config).resolved_config
-    assert resolved.decode_fast_path is fast and resolved.cpu_prefill_kernel is (prefill == "auto")
+    assert resolved.decode_fast_path is fast and resolved.cpu.prefill is (prefill == "auto")
     gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
     results = generate_batch(sliding_model, prompts, gc, config, progress_bar=False)
     for i, prompt in enumerate(prompts):
@@ -132,11 +132,11 @@ def test_engine_exact_with_and_without_the_kernel(sliding_model, fast, prefill, 
 
 
 def test_missing_kernel_is_a_warning_not_a_failure(llama_model, monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "load", lambda: (False, "unavailable (no compiler)"))
+    monkeypatch.setattr(cpu_ops, "load_attention", lambda: (False, "unavailable (no compiler)"))
     r = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(block_size=4)).resolved_config
     assert r.attention_backend == "torch" and not r.decode_fast_path
     assert any("C++ CPU decode kernel is unavailable (no compiler)" in w for w in r.warnings)
-    assert not r.cpu_prefill_kernel
+    assert not r.cpu.prefill
     assert any("C++ CPU prefill kernel is unavailable (no compiler)" in w for w in r.warnings)
     asked = backend_mod.choose_backend("torch", "cpu", 4, True, None, None)
     assert not asked.decode_fast_path and "decode_fast_path=True cannot run" in asked.warnings[0]

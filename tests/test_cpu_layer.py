@@ -1,4 +1,4 @@
-"""Decoder layers as one C++ call (engine/cpu_layer.py): exact against `model.generate` and the
+"""Decoder layers as one C++ call (cpu/routers/layer.py): exact against `model.generate` and the
 layers' own forward in every kind of step, checked at run time, refused where they cannot be."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch, native
-from contbatch.engine import cpu_layer
-from contbatch.engine.cpu_layer import LayerRouter
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
+from contbatch.cpu import native
+from contbatch.cpu.routers import fused_layer
+from contbatch.cpu.routers.layer import LayerRouter
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -46,7 +47,7 @@ def test_fused_layers_equal_generate_in_every_kind_of_step(arch):
     (decode rows beside chunks, a few rows, many rows). Every kind of step was checked against
     the layers' own forward and passed; tokens equal `model.generate`'s."""
     model = make_tiny_model(arch)
-    plan = ContinuousBatchingManager(model, config=ContinuousBatchingConfig()).resolved_config.cpu_layer
+    plan = ContinuousBatchingManager(model, config=ContinuousBatchingConfig()).resolved_config.cpu.layer
     assert len(plan.layers) == model.config.num_hidden_layers, plan.summary
     json.dumps(dataclasses.asdict(plan))  # part of resolved_config.as_dict()
     lone = random_prompts(1, 30, 30, seed=3)
@@ -68,8 +69,8 @@ def test_bfloat16_fused_layers_equal_the_layers_own_forward():
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
     fused, per_module = (generate_batch(model, prompts, generation_config=gc, progress_bar=False,
                                         config=ContinuousBatchingConfig(block_size=4, max_batch_tokens=24,
-                                                                        cpu_layer_kernel=k))
-                         for k in ("auto", "aten"))
+                                                                        cpu_kernel_overrides={"layer": k}))
+                         for k in ("auto", "off"))
     assert [r.generated_tokens for r in fused.values()] == [r.generated_tokens for r in per_module.values()]
 
 
@@ -78,8 +79,8 @@ def test_a_difference_sends_every_layer_back_to_its_own_forward(monkeypatch, cap
     first call, said loudly, and the manager's layers run their own forward from then on, with
     the tokens still exact."""
     model = make_tiny_model("llama")
-    real = cpu_layer.FusedLayer.run
-    monkeypatch.setattr(cpu_layer.FusedLayer, "run", lambda self, *a: real(self, *a) * 1.001)
+    real = fused_layer.FusedLayer.run
+    monkeypatch.setattr(fused_layer.FusedLayer, "run", lambda self, *a: real(self, *a) * 1.001)
     prompts = random_prompts(3, 5, 20, seed=2)
     with caplog.at_level(logging.WARNING, logger="contbatch"):
         _, results, checked, enabled = _run(model, prompts, 6, block_size=4)
@@ -96,7 +97,7 @@ def test_an_op_that_raises_never_fails_the_step(monkeypatch, caplog):
     def refuse(self, *args):
         raise RuntimeError("decoder_layer: refused")
 
-    monkeypatch.setattr(cpu_layer.FusedLayer, "run", refuse)
+    monkeypatch.setattr(fused_layer.FusedLayer, "run", refuse)
     prompts = random_prompts(3, 5, 20, seed=4)
     with caplog.at_level(logging.ERROR, logger="contbatch"):
         _, results, checked, enabled = _run(model, prompts, 6, block_size=4)
@@ -108,28 +109,28 @@ def test_an_op_that_raises_never_fails_the_step(monkeypatch, caplog):
 def test_plan_refuses_what_it_cannot_reproduce():
     model = make_tiny_model("llama")
     config = ContinuousBatchingConfig
-    assert ContinuousBatchingManager(model, config=config(cpu_layer_kernel="aten")).resolved_config.cpu_layer.layers == ()
-    off = ContinuousBatchingManager(model, config=config(decode_fast_path=False)).resolved_config.cpu_layer
+    assert ContinuousBatchingManager(model, config=config(cpu_kernel_overrides={"layer": "off"})).resolved_config.cpu.layer.layers == ()
+    off = ContinuousBatchingManager(model, config=config(decode_fast_path=False)).resolved_config.cpu.layer
     assert off.layers == () and "decode fast path is off" in off.summary
-    norms = ContinuousBatchingManager(model, config=config(cpu_rms_norm_kernel="aten")).resolved_config.cpu_layer
+    norms = ContinuousBatchingManager(model, config=config(cpu_kernel_overrides={"norm": "off"})).resolved_config.cpu.layer
     assert norms.layers == () and "norms are not fused" in norms.summary
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
     try:
-        hooked = ContinuousBatchingManager(model, config=config()).resolved_config.cpu_layer
+        hooked = ContinuousBatchingManager(model, config=config()).resolved_config.cpu.layer
     finally:
         handle.remove()
     assert len(hooked.layers) == 1 and "1 left to their own forward (hooks or a patched forward)" in hooked.summary
     assert not hooked.stack  # not every layer: no stack
-    full = ContinuousBatchingManager(model, config=config()).resolved_config.cpu_layer
+    full = ContinuousBatchingManager(model, config=config()).resolved_config.cpu.layer
     assert full.stack and "the whole stack as one call" in full.summary
-    layer = ContinuousBatchingManager(model, config=config(cpu_layer_kernel="layer")).resolved_config.cpu_layer
+    layer = ContinuousBatchingManager(model, config=config(cpu_kernel_overrides={"layer": "layer"})).resolved_config.cpu.layer
     assert len(layer.layers) == 2 and not layer.stack and "whole stack" not in layer.summary
-    compiled = ContinuousBatchingManager(model, config=config(default_compile_level=1)).resolved_config.cpu_layer
+    compiled = ContinuousBatchingManager(model, config=config(default_compile_level=1)).resolved_config.cpu.layer
     assert compiled.layers == () and "every step is compiled" in compiled.summary
-    gemma = ContinuousBatchingManager(make_tiny_model("gemma2"), config=config()).resolved_config.cpu_layer
+    gemma = ContinuousBatchingManager(make_tiny_model("gemma2"), config=config()).resolved_config.cpu.layer
     assert gemma.layers == () and "per module" in gemma.summary
-    with pytest.raises(ValueError, match="cpu_layer_kernel"):
-        config(cpu_layer_kernel="fused")
+    with pytest.raises(ValueError, match=r"cpu_kernel_overrides\['layer'\]"):
+        config(cpu_kernel_overrides={"layer": "fused"})
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
@@ -139,8 +140,8 @@ def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     call; tokens equal `model.generate`'s and the engine's own one-call-per-layer path."""
     model = make_tiny_model(arch)
     stacked = []
-    real = cpu_layer.FusedStack.run
-    monkeypatch.setattr(cpu_layer.FusedStack, "run",
+    real = fused_layer.FusedStack.run
+    monkeypatch.setattr(fused_layer.FusedStack, "run",
                         lambda self, h, *a: stacked.append(h.shape[1]) or real(self, h, *a))
     prompts = random_prompts(7, 1, 60, seed=11)
     _, results, _, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
@@ -148,7 +149,7 @@ def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     for prompt, got in zip(prompts, results):
         assert got == reference_generate(model, prompt, 8)
     count = len(stacked)
-    _, per_layer, _, _ = _run(model, prompts, 8, block_size=4, max_batch_tokens=32, cpu_layer_kernel="layer")
+    _, per_layer, _, _ = _run(model, prompts, 8, block_size=4, max_batch_tokens=32, cpu_kernel_overrides={"layer": "layer"})
     assert per_layer == results and len(stacked) == count
 
 
@@ -157,8 +158,8 @@ def test_no_stack_where_the_loop_is_not_a_plain_chain_or_a_layer_has_hooks(monke
     holds) never proves a chain; a hook added to a layer while the manager runs puts the steps
     back on one call per layer, and the hook runs."""
     stacked = []
-    real = cpu_layer.FusedStack.run
-    monkeypatch.setattr(cpu_layer.FusedStack, "run", lambda self, *a: stacked.append(1) or real(self, *a))
+    real = fused_layer.FusedStack.run
+    monkeypatch.setattr(fused_layer.FusedStack, "run", lambda self, *a: stacked.append(1) or real(self, *a))
     model = make_tiny_model("llama")
     model.config.num_hidden_layers = 1
     prompt = random_prompts(1, 20, 20, seed=8)[0]
@@ -188,7 +189,7 @@ def test_layers_are_given_back_and_user_forwards_are_untouched():
     layer's own, and stopping leaves no trace on the layers."""
     model = make_tiny_model("llama")
     calls = []
-    real = cpu_layer.FusedLayer.run
+    real = fused_layer.FusedLayer.run
 
     def counting(self, *args):
         calls.append(self.layer_idx)
@@ -196,7 +197,7 @@ def test_layers_are_given_back_and_user_forwards_are_untouched():
 
     gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
     manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4))
-    cpu_layer.FusedLayer.run = counting
+    fused_layer.FusedLayer.run = counting
     try:
         manager.start()
         try:
@@ -209,5 +210,5 @@ def test_layers_are_given_back_and_user_forwards_are_untouched():
         finally:
             manager.stop(timeout=30)
     finally:
-        cpu_layer.FusedLayer.run = real
+        fused_layer.FusedLayer.run = real
     assert not any("forward" in m.__dict__ or "_contbatch_fused" in m.__dict__ for m in model.model.layers)

@@ -1,4 +1,4 @@
-"""CPU linear layers on oneDNN or our C++ kernel inside engine steps only (engine/cpu_linear.py)."""
+"""CPU linear layers on oneDNN or our C++ kernel inside engine steps only (cpu/routers/linear.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
-from contbatch import native
-from contbatch.engine import cpu_linear
+from contbatch.cpu import linear_kernels, native, ops, probe
+from contbatch.cpu.routers import linear as linear_router
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
-pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="this PyTorch build has no oneDNN linear")
+pytestmark = pytest.mark.skipif(not linear_kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear")
 
 
-@pytest.mark.parametrize("kernel", ["aten", "onednn", "native", "auto"])
+@pytest.mark.parametrize("kernel", ["aten", "onednn", "small_linear", "auto"])
 def test_greedy_output_equals_generate_with_each_kernel(llama_model, kernel):
     prompts = random_prompts(12, 1, 40, seed=5)
-    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, cpu_linear_kernel=kernel)
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, cpu_kernel_overrides={"linear": kernel})
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
     results = generate_batch(llama_model, prompts, gc, config, progress_bar=False)
     for i, prompt in enumerate(prompts):
@@ -37,17 +37,17 @@ def test_forced_onednn_routes_engine_calls_only_and_is_taken_back():
     twin = copy.deepcopy(model)
     ids = torch.tensor([random_prompts(1, 12, 12, seed=3)[0]])
     calls = []
-    real = cpu_linear.onednn_linear
+    real = linear_kernels.onednn_linear
 
     def counting(x, w, b):
         calls.append(tuple(w.shape))
         return real(x, w, b)
 
     manager = ContinuousBatchingManager(model, GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None),
-                                        ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
-    r = manager.resolved_config.cpu_linear
+                                        ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "onednn"}))
+    r = manager.resolved_config.cpu.linear
     assert r.kernel == "onednn" and r.kernels_at(2) and "as asked" in r.summary
-    cpu_linear.onednn_linear = counting
+    linear_kernels.onednn_linear = counting
     try:
         manager.start()
         try:
@@ -61,13 +61,13 @@ def test_forced_onednn_routes_engine_calls_only_and_is_taken_back():
         finally:
             manager.stop(timeout=30)
     finally:
-        cpu_linear.onednn_linear = real
+        linear_kernels.onednn_linear = real
     twin_loss = twin(ids, labels=ids).loss
     twin_loss.backward()
     assert torch.equal(loss, twin_loss)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), name
-    assert not any({"forward", "_contbatch_route", "_contbatch_packed"} & set(m.__dict__) for m in model.modules())
+    assert not any(set(linear_router.ATTRIBUTES) & set(m.__dict__) for m in model.modules())
 
 
 def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
@@ -79,10 +79,10 @@ def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
     prompts = random_prompts(6, 5, 30, seed=11)
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     packed_calls = []
-    real = cpu_linear.packed_linear
-    monkeypatch.setattr(cpu_linear, "packed_linear", lambda x, w, b: packed_calls.append(x.shape) or real(x, w, b))
-    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
-    plan = manager.resolved_config.cpu_linear
+    real = linear_kernels.packed_linear
+    monkeypatch.setattr(linear_kernels, "packed_linear", lambda x, w, b: packed_calls.append(x.shape) or real(x, w, b))
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "onednn"}))
+    plan = manager.resolved_config.cpu.linear
     assert plan.prepack and "oneDNN weights prepacked" in plan.summary
     manager.start()
     try:
@@ -107,12 +107,12 @@ def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
     finally:
         manager.stop(timeout=30)
     assert not any("_contbatch_packed" in m.__dict__ for m in model.modules())
-    off = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_linear_kernel="onednn",
-                                                                         cpu_linear_prepack=False))
-    assert not off.resolved_config.cpu_linear.prepack and "not prepacked (as asked)" in off.resolved_config.cpu_linear.summary
-    monkeypatch.setattr(cpu_linear, "PREPACK_RAM_FRACTION", 0.0)
-    tight = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_linear_kernel="onednn")).resolved_config
-    assert not tight.cpu_linear.prepack and "of the available RAM" in tight.cpu_linear.summary
+    off = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(
+        cpu_kernel_overrides={"linear": "onednn", "linear_prepack": False}))
+    assert not off.resolved_config.cpu.linear.prepack and "not prepacked (as asked)" in off.resolved_config.cpu.linear.summary
+    monkeypatch.setattr(linear_router, "PREPACK_RAM_FRACTION", 0.0)
+    tight = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_kernel_overrides={"linear": "onednn"})).resolved_config
+    assert not tight.cpu.linear.prepack and "of the available RAM" in tight.cpu.linear.summary
 
 
 def test_weights_are_packed_at_their_second_multi_row_call(monkeypatch):
@@ -121,11 +121,11 @@ def test_weights_are_packed_at_their_second_multi_row_call(monkeypatch):
     the other layers' weights, once each, and the tokens stay exact."""
     model = make_tiny_model("llama")
     packs = []
-    real = cpu_linear.pack
-    monkeypatch.setattr(cpu_linear, "pack", lambda w: packs.append(w) or real(w))
+    real = linear_kernels.pack
+    monkeypatch.setattr(linear_kernels, "pack", lambda w: packs.append(w) or real(w))
     manager = ContinuousBatchingManager(model, GenerationConfig(do_sample=False, eos_token_id=None),
-                                        ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="onednn"))
-    assert manager.resolved_config.cpu_linear.prepack
+                                        ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "onednn"}))
+    assert manager.resolved_config.cpu.linear.prepack
     unchecked = [m.weight for m in model.model.layers[1].modules() if isinstance(m, torch.nn.Linear)]
     prompts = random_prompts(2, 12, 20, seed=5)
     manager.start()
@@ -140,25 +140,25 @@ def test_weights_are_packed_at_their_second_multi_row_call(monkeypatch):
 
 
 def test_plan_is_probed_logged_and_validated(llama_model, caplog):
-    with pytest.raises(ValueError, match="cpu_linear_kernel"):
-        ContinuousBatchingConfig(cpu_linear_kernel="mkl")
-    aten = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(cpu_linear_kernel="aten"))
-    assert not aten.resolved_config.cpu_linear.routes_anything
-    auto = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
+    with pytest.raises(ValueError, match=r"cpu_kernel_overrides\['linear'\]"):
+        ContinuousBatchingConfig(cpu_kernel_overrides={"linear": "mkl"})
+    aten = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig(cpu_kernel_overrides={"linear": "aten"}))
+    assert not aten.resolved_config.cpu.linear.routes_anything
+    auto = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig()).resolved_config.cpu.linear
     shapes = {(m.out_features, m.in_features, "float32") for m in llama_model.modules()
               if isinstance(m, torch.nn.Linear)}
     for regime in range(3):
         assert set(auto.kernels_at(regime)) <= shapes
-        assert set(auto.kernels_at(regime).values()) <= {"onednn", "native"}
+        assert set(auto.kernels_at(regime).values()) <= {"onednn", "small_linear"}
     assert "4 rows:" in auto.summary and "64 rows:" in auto.summary
     assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
     double = make_tiny_model("llama").to(torch.float64)
-    plan = ContinuousBatchingManager(double, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
+    plan = ContinuousBatchingManager(double, config=ContinuousBatchingConfig()).resolved_config.cpu.linear
     assert not plan.routes_anything and "no float32, bfloat16 or float16" in plan.summary
     half = make_tiny_model("llama").to(torch.float16)  # aten, oneDNN where it runs float16, or upcast; never ours
-    plan = ContinuousBatchingManager(half, config=ContinuousBatchingConfig()).resolved_config.cpu_linear
-    assert "native" not in {k for _, route in plan.routes for k in route}
+    plan = ContinuousBatchingManager(half, config=ContinuousBatchingConfig()).resolved_config.cpu.linear
+    assert "small_linear" not in {k for _, route in plan.routes for k in route}
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
@@ -173,7 +173,7 @@ def test_native_small_linear_matches_float64(rows, dtype):
         x = (torch.rand(rows, in_features, generator=gen) - 0.5).to(dtype)
         b = (torch.rand(out_features, generator=gen) - 0.5).to(dtype)
         for bias in (None, b):
-            got = cpu_linear.native_linear(x[None], w, bias)  # [1, rows, in]: a step's layout
+            got = ops.small_linear(x[None], w, bias)  # [1, rows, in]: a step's layout
             assert got.shape == (1, rows, out_features) and got.dtype == dtype
             exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -219,34 +219,34 @@ def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(40, 24, generator=gen) - 0.5).to(dtype)
     b = (torch.rand(40, generator=gen) - 0.5).to(dtype)
-    kernels = {"aten": torch.nn.functional.linear, "native": cpu_linear.native_linear}
-    if cpu_linear.onednn_available(dtype):
-        kernels["onednn"] = cpu_linear.onednn_linear
-    routes = [("native", "native", "aten"), ("aten", "native", "aten")]
+    kernels = {"aten": torch.nn.functional.linear, "small_linear": ops.small_linear}
+    if linear_kernels.onednn_available(dtype):
+        kernels["onednn"] = linear_kernels.onednn_linear
+    routes = [("small_linear", "small_linear", "aten"), ("aten", "small_linear", "aten")]
     if "onednn" in kernels:
-        routes += [("native", "native", "onednn"), ("onednn", "aten", "onednn"), ("aten", "onednn", "native")]
+        routes += [("small_linear", "small_linear", "onednn"), ("onednn", "aten", "onednn"), ("aten", "onednn", "small_linear")]
     for route in routes:
-        codes = cpu_linear._routed_codes(route)
+        codes = linear_router.routed_codes(route)
         for rows in (0, 1, 2, 7, 8, 33):
             x = (torch.rand(1, rows, 24, generator=gen) - 0.5).to(dtype)
-            kernel = cpu_linear._kernel(route, rows)
-            if kernel == "native" and rows > cpu_linear.NATIVE_MAX_ROWS:
+            kernel = linear_router.kernel_at(route, rows)
+            if kernel == "small_linear" and rows > ops.SMALL_LINEAR_MAX_ROWS:
                 with pytest.raises(RuntimeError, match="1 to 7 rows"):
                     torch.ops.contbatch_cpu.routed_linear(x, w, b, *codes)
                 continue
             got = torch.ops.contbatch_cpu.routed_linear(x, w, b, *codes)
             assert got.shape == (1, rows, 40) and torch.equal(got, kernels[kernel](x, w, b)), (route, rows)
-    assert cpu_linear._routed_codes(("upcast", "upcast", "upcast")) is None  # a Python kernel: branches in Python
+    assert linear_router.routed_codes(("upcast", "upcast", "upcast")) is None  # a Python kernel: branches in Python
 
 
 def test_probe_streams_weights_from_memory():
     """The probe times each kernel over many copies of the weight (as a forward reads it from
     memory), not one hot copy; the pool is as large as the model's linears, within bounds."""
-    pool = cpu_linear._probe_pool(model_bytes=4 << 20, largest=1000, dtype=torch.float32)
+    pool = probe.probe_pool(model_bytes=4 << 20, largest=1000, dtype=torch.float32)
     assert pool.numel == (4 << 20) // 4 and pool.tensor.numel() == pool.numel
-    assert cpu_linear._probe_pool(1 << 40, 10, torch.float32).numel == cpu_linear.POOL_BYTES // 4
-    assert cpu_linear._probe_pool(100, 10_000, torch.bfloat16).tensor.numel() == 10_000
-    times = cpu_linear._probe(64, 32, 1, pool, ("aten", "onednn"))
+    assert probe.probe_pool(1 << 40, 10, torch.float32).numel == probe.POOL_BYTES // 4
+    assert probe.probe_pool(100, 10_000, torch.bfloat16).tensor.numel() == 10_000
+    times = probe.time_kernels(64, 32, 1, pool, ("aten", "onednn"))
     assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())
 
 
@@ -256,13 +256,13 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     the verdicts came from; a damaged file is probed over."""
     monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
 
-    def new_process() -> cpu_linear.ProbeStore:
-        store = cpu_linear.ProbeStore()
-        monkeypatch.setattr(cpu_linear, "_store", store)
+    def new_process() -> probe.ProbeStore:
+        store = probe.ProbeStore()
+        monkeypatch.setattr(probe, "store", store)
         return store
 
     store = new_process()
-    first = cpu_linear.plan_linear(llama_model)
+    first = linear_router.plan_linear(llama_model)
     path = store.path
     assert "probed in" in first.summary and path.is_file() and store.probed > 0
     assert str(tmp_path) in str(path)
@@ -272,13 +272,13 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
         raise AssertionError("a pool was drawn with every verdict in the file")
 
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_linear.ProbePool, "draw", no_draw)
-        second = cpu_linear.plan_linear(llama_model)
+        patch.setattr(probe.ProbePool, "draw", no_draw)
+        second = linear_router.plan_linear(llama_model)
     assert store.probed == 0 and store.path == path and second.routes == first.routes
     assert f"probe verdicts reused from {path}" in second.summary
     path.write_text("{not json")
     store = new_process()
-    third = cpu_linear.plan_linear(llama_model)
+    third = linear_router.plan_linear(llama_model)
     assert "probed in" in third.summary and store.probed > 0
     assert json.loads(path.read_text())  # written again, whole
 
@@ -288,8 +288,8 @@ def test_bfloat16_model_runs_where_onednn_has_no_bfloat16(kernel, monkeypatch):
     """On an AVX2-only CPU oneDNN's bfloat16 linear raises on every call; a bfloat16 model must
     still run there, on the other kernels, and the plan must say why (here simulated, so the
     test means the same on every machine)."""
-    real = cpu_linear.onednn_available
-    monkeypatch.setattr(cpu_linear, "onednn_available",
+    real = linear_kernels.onednn_available
+    monkeypatch.setattr(linear_kernels, "onednn_available",
                         lambda dtype=torch.float32: dtype != torch.bfloat16 and real(dtype))
 
     def refusing(kernel):
@@ -298,14 +298,14 @@ def test_bfloat16_model_runs_where_onednn_has_no_bfloat16(kernel, monkeypatch):
             return kernel(x, weight, bias)
         return call
 
-    monkeypatch.setattr(cpu_linear, "onednn_linear", refusing(cpu_linear.onednn_linear))
-    monkeypatch.setattr(cpu_linear, "packed_linear", refusing(cpu_linear.packed_linear))
+    monkeypatch.setattr(linear_kernels, "onednn_linear", refusing(linear_kernels.onednn_linear))
+    monkeypatch.setattr(linear_kernels, "packed_linear", refusing(linear_kernels.packed_linear))
     model = make_tiny_model("llama").to(torch.bfloat16)
     prompts = random_prompts(4, 3, 30, seed=2)
-    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=64, cpu_linear_kernel=kernel)
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=64, cpu_kernel_overrides={"linear": kernel})
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     manager = ContinuousBatchingManager(model, gc, config)
-    plan = manager.resolved_config.cpu_linear
+    plan = manager.resolved_config.cpu.linear
     assert "oneDNN's linear does not run in bfloat16 here" in plan.summary
     assert "onednn" not in {k for _, route in plan.routes for k in route}
     manager.start()
@@ -318,14 +318,14 @@ def test_bfloat16_model_runs_where_onednn_has_no_bfloat16(kernel, monkeypatch):
 
 def test_onednn_availability_is_tried_per_dtype():
     """The check runs a product at that dtype: a float32-only answer must not route bfloat16."""
-    assert cpu_linear.onednn_available(torch.float32)
+    assert linear_kernels.onednn_available(torch.float32)
     x, w = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(8, 16, dtype=torch.bfloat16)
     try:
-        cpu_linear.onednn_linear(x, w, None)
+        linear_kernels.onednn_linear(x, w, None)
         runs = True
     except RuntimeError:
         runs = False
-    assert cpu_linear.onednn_available(torch.bfloat16) == runs
+    assert linear_kernels.onednn_available(torch.bfloat16) == runs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -339,9 +339,9 @@ def test_upcast_linear_is_the_float32_product_rounded_once(rows, dtype, monkeypa
     b = (torch.rand(50, generator=gen) - 0.5).to(dtype)
     for bias in (None, b):
         want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
-        whole = cpu_linear.upcast_linear(x[None], w, bias)
-        monkeypatch.setattr(cpu_linear, "UPCAST_SLICE", 24 * 16)  # slices of 16 output features
-        sliced = cpu_linear.upcast_linear(x[None], w, bias)
+        whole = linear_kernels.upcast_linear(x[None], w, bias)
+        monkeypatch.setattr(linear_kernels, "UPCAST_SLICE", 24 * 16)  # slices of 16 output features
+        sliced = linear_kernels.upcast_linear(x[None], w, bias)
         monkeypatch.undo()
         assert whole.shape == sliced.shape == (1, rows, 50) and whole.dtype == dtype
         torch.testing.assert_close(whole[0], want, atol=0, rtol=0)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm on the CPU (engine/cpu_norm.py): routed only where it matches the module's own
+"""Fused RMSNorm on the CPU (cpu/routers/norm.py): routed only where it matches the module's own
 forward, only inside engine steps, and taken back when the manager stops."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch, native
-from contbatch.engine import cpu_norm
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
+from contbatch.cpu import native, ops
+from contbatch.cpu.routers import norm as norm_router
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -40,7 +41,7 @@ def test_fused_op_matches_the_module_forward(dtype, shape):
         norm.weight.copy_(torch.randn(shape[-1]) * 2)
     x = (torch.randn(*shape) * 4).to(dtype)
     want = norm(x)
-    got = cpu_norm.fused_rms_norm(x, norm.weight, 1e-5)
+    got = ops.fused_rms_norm(x, norm.weight, 1e-5)
     assert got.dtype == dtype and got.shape == want.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -51,15 +52,15 @@ def test_fused_op_matches_the_module_forward(dtype, shape):
 
 def test_plan_routes_matching_classes_and_refuses_others():
     llama = _randomize_norm_weights(make_tiny_model("llama"))
-    plan = cpu_norm.plan_norm(llama)
+    plan = norm_router.plan_norm(llama)
     assert plan.classes == ("LlamaRMSNorm",) and f"fused for {len(_norms(llama))} modules" in plan.summary
     json.dumps(dataclasses.asdict(plan))  # part of resolved_config.as_dict()
     gemma = _randomize_norm_weights(make_tiny_model("gemma2"))  # scales by 1 + weight: not ours
-    refused = cpu_norm.plan_norm(gemma)
+    refused = norm_router.plan_norm(gemma)
     assert refused.classes == () and "left to PyTorch: Gemma2RMSNorm (max relative difference" in refused.summary
-    assert cpu_norm.plan_norm(llama, "aten").classes == ()
-    with pytest.raises(ValueError, match="cpu_rms_norm_kernel"):
-        ContinuousBatchingConfig(cpu_rms_norm_kernel="fused")
+    assert norm_router.plan_norm(llama, "off").classes == ()
+    with pytest.raises(ValueError, match=r"cpu_kernel_overrides\['norm'\]"):
+        ContinuousBatchingConfig(cpu_kernel_overrides={"norm": "fused"})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -69,7 +70,7 @@ def test_engine_routes_step_calls_only_exactly_and_takes_them_back(arch):
     and stopping leaves no trace on the modules."""
     model = _randomize_norm_weights(make_tiny_model(arch))
     calls = []
-    real = cpu_norm.fused_rms_norm
+    real = ops.fused_rms_norm
 
     def counting(x, w, eps):
         calls.append(x.shape)
@@ -78,8 +79,8 @@ def test_engine_routes_step_calls_only_exactly_and_takes_them_back(arch):
     prompts = random_prompts(6, 1, 30, seed=9)
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, max_batch_tokens=24))
-    assert manager.resolved_config.cpu_rms_norm.classes
-    cpu_norm.fused_rms_norm = counting
+    assert manager.resolved_config.cpu.norm.classes
+    ops.fused_rms_norm = counting
     try:
         manager.start()
         try:
@@ -93,9 +94,9 @@ def test_engine_routes_step_calls_only_exactly_and_takes_them_back(arch):
         finally:
             manager.stop(timeout=30)
     finally:
-        cpu_norm.fused_rms_norm = real
+        ops.fused_rms_norm = real
     for prompt, result in zip(prompts, results):
         assert result.generated_tokens == reference_generate(model, prompt, 6)
-    assert not any("forward" in m.__dict__ or "_contbatch_eps" in m.__dict__ for m in _norms(model))
-    assert ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_rms_norm_kernel="aten")
-                                     ).resolved_config.cpu_rms_norm.summary == "aten (as asked)"
+    assert not any(set(norm_router.ATTRIBUTES) & set(m.__dict__) for m in _norms(model))
+    assert ContinuousBatchingManager(model, config=ContinuousBatchingConfig(cpu_kernel_overrides={"norm": "off"})
+                                     ).resolved_config.cpu.norm.summary == "aten (as asked)"

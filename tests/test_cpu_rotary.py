@@ -1,4 +1,4 @@
-"""Fused rotary embeddings on the CPU (engine/cpu_rotary.py): bit-identical to the modeling
+"""Fused rotary embeddings on the CPU (cpu/routers/rotary.py): bit-identical to the modeling
 file's own function, used only inside engine steps, the global put back by the last manager."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.models.llama import modeling_llama
 
-from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, native
-from contbatch.engine import cpu_rotary
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from contbatch.cpu import native, ops
+from contbatch.cpu.routers import rotary as rotary_router
 
 from conftest import make_tiny_model, random_prompts, reference_generate
 
@@ -40,28 +41,28 @@ def _inputs(batch, tokens, head_dim, dtype, transposed=True, seed=0):
 def test_fused_op_is_bit_identical_to_the_original(dtype, batch, tokens, head_dim, transposed):
     q, k, cos, sin = _inputs(batch, tokens, head_dim, dtype, transposed)
     want = ORIGINAL(q, k, cos, sin)
-    got = cpu_rotary.fused_rotary(q, k, cos, sin)
+    got = ops.fused_rotary(q, k, cos, sin)
     for w, g in zip(want, got):
         assert g.dtype == dtype and g.shape == w.shape and torch.equal(g, w)
 
 
 def test_plan_routes_matching_files_and_refuses_others():
     llama = make_tiny_model("llama")
-    plan = cpu_rotary.plan_rotary(llama)
+    plan = rotary_router.plan_rotary(llama)
     assert plan.modules == ("transformers.models.llama.modeling_llama",) and "bit-identical" in plan.summary
     json.dumps(dataclasses.asdict(plan))  # part of resolved_config.as_dict()
-    assert cpu_rotary.plan_rotary(llama, "aten").modules == ()
-    with pytest.raises(ValueError, match="cpu_rotary_kernel"):
-        ContinuousBatchingConfig(cpu_rotary_kernel="fused")
+    assert rotary_router.plan_rotary(llama, "off").modules == ()
+    with pytest.raises(ValueError, match=r"cpu_kernel_overrides\['rotary'\]"):
+        ContinuousBatchingConfig(cpu_kernel_overrides={"rotary": "fused"})
 
     def interleaved(q, k, cos, sin):  # GPT-J style pairs: not what the fused op computes
         def rot(x):
             return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
         return q * cos[:, None] + rot(q) * sin[:, None], k * cos[:, None] + rot(k) * sin[:, None]
 
-    same, why = cpu_rotary._matches(interleaved, 64, torch.float32)
+    same, why = rotary_router._matches(interleaved, 64, torch.float32)
     assert not same and why.startswith("max difference")
-    assert cpu_rotary._matches(ORIGINAL, 64, torch.bfloat16) == (True, "bit-identical")
+    assert rotary_router._matches(ORIGINAL, 64, torch.bfloat16) == (True, "bit-identical")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -73,7 +74,7 @@ def test_engine_routes_step_calls_only_exactly_and_puts_the_global_back(arch):
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     original = module.apply_rotary_pos_emb
     calls = []
-    real = cpu_rotary.fused_rotary
+    real = ops.fused_rotary
 
     def counting(q, k, cos, sin):
         calls.append(q.shape)
@@ -83,8 +84,8 @@ def test_engine_routes_step_calls_only_exactly_and_puts_the_global_back(arch):
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=24)
     first, second = (ContinuousBatchingManager(m, gc, config) for m in (model, other))
-    assert first.resolved_config.cpu_rotary.modules == (module.__name__,)
-    cpu_rotary.fused_rotary = counting
+    assert first.resolved_config.cpu.rotary.modules == (module.__name__,)
+    ops.fused_rotary = counting
     try:
         first.start()
         second.start()
@@ -101,7 +102,7 @@ def test_engine_routes_step_calls_only_exactly_and_puts_the_global_back(arch):
         finally:
             first.stop(timeout=30)
     finally:
-        cpu_rotary.fused_rotary = real
+        ops.fused_rotary = real
     assert module.apply_rotary_pos_emb is original
     for prompt, result in zip(prompts, results):
         assert result.generated_tokens == reference_generate(model, prompt, 6)

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, SamplingParams
-from contbatch.attention import backend as backend_mod
-from contbatch.attention.backend import choose_backend
-from contbatch.engine.buckets import Bucketing, StepShape, decode_bucket, pad_batch
-from contbatch.engine.step_batch import apply_carry, build_step_batch
-from contbatch.engine.step_runner import Streams
-from contbatch.engine.graphs import GraphCache, eager_capture
+from contbatch.attention import select as backend_mod
+from contbatch.attention.select import choose_backend
+from contbatch.runtime.buckets import Bucketing, StepShape, decode_bucket, pad_batch
+from contbatch.runtime.step_batch import apply_carry, build_step_batch
+from contbatch.runtime.step_runner import Streams
+from contbatch.runtime.graphs import GraphCache, eager_capture
 from contbatch.requests import PLACEHOLDER, RequestState
 from contbatch.scheduling.scheduler import ScheduledChunk, StepPlan
 
@@ -33,18 +33,18 @@ from conftest import random_prompts, reference_generate
 # -- backend choice ----------------------------------------------------------------------
 def test_cpu_defaults_to_torch_with_nothing_claimed():
     """On the CPU the torch backend's decode fast path is our C++ kernel: on wherever it builds."""
-    from contbatch.attention import cpu_kernel
+    from contbatch.cpu import ops as cpu_ops
 
     c = choose_backend("auto", "cpu", 256, None, None, None)
-    built = cpu_kernel.load()[0]
+    built = cpu_ops.load_attention()[0]
     assert (c.name, c.decode_fast_path, c.use_cuda_graph, c.use_async_batching) == ("torch", built, False, False)
     assert not c.warnings if built else "C++ CPU decode kernel" in c.warnings[0]
 
 
 def _no_cpu_kernel(monkeypatch):
-    from contbatch.attention import cpu_kernel
+    from contbatch.cpu import ops as cpu_ops
 
-    monkeypatch.setattr(cpu_kernel, "load", lambda: (False, "unavailable (no compiler)"))
+    monkeypatch.setattr(cpu_ops, "load_attention", lambda: (False, "unavailable (no compiler)"))
 
 
 def test_impossible_requests_are_warnings_and_resolved_off(monkeypatch):
@@ -585,8 +585,8 @@ def test_flash_backend_wiring_with_a_stand_in(llama_model, monkeypatch):
     import types
 
     from contbatch.attention import varlen_reference as ref
-    from contbatch.attention.backend import BackendChoice
-    from contbatch.engine import resolve
+    from contbatch.attention.select import BackendChoice
+    from contbatch.setup import resolve
 
     calls = {"varlen": 0, "decode": 0}
 

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, PagedAttentionCache, continuous_batching, generate_batch
 from contbatch.cache import BlockManager, KVLayout
-from contbatch.engine.resolve import blocks_from_hint
+from contbatch.setup.resolve import blocks_from_hint
 from contbatch.requests import RequestState
 from contbatch.scheduling import FIFOScheduler
 
@@ -195,10 +195,10 @@ def test_resolved_config_reports_everything(llama_model, caplog):
     with continuous_batching(llama_model, GREEDY16, config) as m:
         r = m.resolved_config
     assert r.safety_margin == 0.0 and r.scheduler_type == "prefill_first"
-    assert r.prefix_sharing and r.cpu_offload_blocks > 0 and 0 < r.cpu_offload_gib <= 0.5
+    assert r.allow_block_sharing and r.cpu_offload_blocks > 0 and 0 < r.cpu_offload_gib <= 0.5
     line = next(rec.message for rec in caplog.records if "contbatch engine:" in rec.message)
     for fragment in ("blocks=", "max_batch_tokens=", "max_requests_per_batch=",
-                     "max_blocks_per_request=", "prefix_sharing=True", "decode_fast_path=", "scheduler=prefill_first",
+                     "max_blocks_per_request=", "allow_block_sharing=True", "decode_fast_path=", "scheduler=prefill_first",
                      "safety_margin=0.0", "cpu_offload="):
         assert fragment in line
 
@@ -211,7 +211,7 @@ def test_sliding_window_models_share_prefixes_exactly(sliding_model):
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=48)
     with continuous_batching(sliding_model, gen, config) as m:
-        assert m.resolved_config.sliding_window_layers > 0 and m.resolved_config.prefix_sharing
+        assert m.resolved_config.sliding_window_layers > 0 and m.resolved_config.allow_block_sharing
         outs = [m.get_result(rid, timeout=120) for rid in m.add_requests(prompts)]
         stats = m.stats()
     assert stats["prefix_cache_hits"] >= 7 * 36, stats  # 9 shared blocks of 4 for each follower
@@ -224,7 +224,7 @@ def test_sliding_window_models_share_prefixes_exactly(sliding_model):
 def test_prefix_cache_eviction_order(policy):
     """Released blocks stay cached in release order (a request's tail first, so its head is
     the more recent). "lru" evicts the least recently released, "mru" the most recent."""
-    bm = BlockManager(6, 4, enable_prefix_sharing=True, eviction=policy)
+    bm = BlockManager(6, 4, allow_block_sharing=True, eviction=policy)
     a, b = list(range(10, 19)), list(range(30, 39))  # 9 tokens: 2 full blocks each (+1 computed on reuse)
     for rid, toks in (("a", a), ("b", b)):
         assert bm.ensure(rid, 8)
@@ -259,7 +259,7 @@ class _Memory:
 def test_cpu_offload_space_is_clamped_to_available_ram(llama_model, monkeypatch):
     import psutil
 
-    from contbatch.engine import resolve
+    from contbatch.setup import resolve
 
     per_block = KVLayout.from_model_config(llama_model.config, torch.float32).bytes_per_block(4)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(2**30))  # 1 GiB available
@@ -283,7 +283,7 @@ def test_cpu_offload_space_is_clamped_to_available_ram(llama_model, monkeypatch)
 def test_offload_space_rounding_is_not_called_a_clamp(llama_model, monkeypatch):
     import psutil
 
-    from contbatch.engine import resolve
+    from contbatch.setup import resolve
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(2**34))  # 16 GiB: no clamp
     config = ContinuousBatchingConfig(block_size=12, num_blocks=64, cpu_offload_space=0.25)  # 6 KiB blocks
@@ -292,36 +292,36 @@ def test_offload_space_rounding_is_not_called_a_clamp(llama_model, monkeypatch):
     assert not any("clamped" in n for n in r.notes), r.notes
 
 
-def test_max_cpu_memory_percent_caps_the_cpu_cache(llama_model, monkeypatch):
+def test_max_memory_percent_caps_the_cpu_cache(llama_model, monkeypatch):
     import psutil
 
-    from contbatch.engine import resolve
+    from contbatch.setup import resolve
 
     per_block = KVLayout.from_model_config(llama_model.config, torch.float32).bytes_per_block(4)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(100 * 2**20))  # 100 MiB available
-    for share in (0.2, 0.5):
-        r, _ = resolve.resolve_config(ContinuousBatchingConfig(block_size=4, max_cpu_memory_percent=share), llama_model)
-        assert r.num_blocks == int(100 * 2**20 * share) // per_block - 2  # two reserved blocks
-        assert r.num_blocks_rule.startswith(f"cpu: capped at {share:.0%}")
+    for share in (None, 0.5):
+        r, _ = resolve.resolve_config(ContinuousBatchingConfig(block_size=4, max_memory_percent=share), llama_model)
+        expected = share or 0.2  # the CPU's default share
+        assert r.num_blocks == int(100 * 2**20 * expected) // per_block - 2  # two reserved blocks
+        assert r.num_blocks_rule.startswith(f"cpu: capped at {expected:.0%}")
+    with pytest.warns(DeprecationWarning, match="max_cpu_memory_percent"):
+        old = ContinuousBatchingConfig(block_size=4, max_cpu_memory_percent=0.5)
+    assert old.max_memory_percent == 0.5
     # Never below one full request (the model's context of 512 tokens = 128 blocks of 4).
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * 2**10))
-    r, _ = resolve.resolve_config(ContinuousBatchingConfig(block_size=4, max_cpu_memory_percent=0.2), llama_model)
+    r, _ = resolve.resolve_config(ContinuousBatchingConfig(block_size=4), llama_model)
     assert r.num_blocks == 128 and "raised to 128 blocks" in r.num_blocks_rule
-    with pytest.raises(ValueError, match="max_cpu_memory_percent"):
-        ContinuousBatchingConfig(max_cpu_memory_percent=0.0)
+    with pytest.raises(ValueError, match="max_memory_percent"):
+        ContinuousBatchingConfig(max_memory_percent=0.0)
 
 
-def test_max_batch_tokens_floor_and_explicit_value(llama_model, monkeypatch):
-    from contbatch.engine import resolve
+def test_max_batch_tokens_default_and_explicit_value(llama_model):
+    from contbatch.setup import resolve
 
     r, _ = resolve.resolve_config(ContinuousBatchingConfig(num_blocks=64), llama_model)
     assert r.max_batch_tokens == 2048  # the CPU default
-    monkeypatch.setattr(resolve, "DEFAULT_CPU_MAX_BATCH_TOKENS", 100)
-    r, _ = resolve.resolve_config(ContinuousBatchingConfig(num_blocks=64), llama_model)
-    assert r.max_batch_tokens == 256  # a default never goes below the floor
     r, _ = resolve.resolve_config(ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=7), llama_model)
     assert r.max_batch_tokens == 7 and r.max_requests_per_batch <= 7  # explicit: honoured as given
-    monkeypatch.undo()
     # ... and by the scheduler: no step computes more than 7 tokens.
     prompts = random_prompts(4, 5, 20, seed=72)
     sizes = []

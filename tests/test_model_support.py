@@ -1,5 +1,5 @@
 """Model features the engine supports, each exact against `model.generate`, and the start-up
-refusal of those it does not (`contbatch/engine/support.py`). The sweep over every
+refusal of those it does not (`contbatch/setup/support.py`). The sweep over every
 architecture is `test_model_coverage.py`; these cases go deeper on one feature each: more
 prompts, every backend that runs on the CPU, and the failure modes the refusal must name.
 """
@@ -15,8 +15,8 @@ import torch
 from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, continuous_batching, generate_batch
-from contbatch.attention import ops
-from contbatch.engine import support
+from contbatch import context
+from contbatch.setup import support
 
 from conftest import random_prompts
 
@@ -103,14 +103,14 @@ def test_layers_that_drop_the_attention_kwargs_get_the_step_from_the_engine_thre
     lost on the way, and paged attention finds it in the engine thread's context instead."""
     model = build_tiny("stablelm")
     taken = []
-    real = ops.active_step
+    real = context.active_step
 
     def spy():
         meta = real()
         taken.append(meta is not None)
         return meta
 
-    monkeypatch.setattr(ops, "active_step", spy)
+    monkeypatch.setattr(context, "active_step", spy)
     prompts = random_prompts(6, 1, 25, seed=23)
     expected = _expected(model, prompts, 6)
     assert _served(model, prompts, 6) == expected
@@ -126,7 +126,7 @@ def test_a_forward_outside_the_engine_sees_no_step():
     gc = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None)
     with continuous_batching(model, gc, ContinuousBatchingConfig(block_size=4, max_batch_tokens=16)) as manager:
         ids = manager.add_requests(random_prompts(6, 5, 30, seed=25))
-        assert ops.active_step() is None and threading.current_thread() is threading.main_thread()
+        assert context.active_step() is None and threading.current_thread() is threading.main_thread()
         assert _expected(model, prompts, 5) == expected
         for rid in ids:
             assert manager.get_result(rid, timeout=120).error is None

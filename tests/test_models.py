@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig
 
-from contbatch import models
+from contbatch.setup import loading as models
 
 from conftest import reference_generate
 

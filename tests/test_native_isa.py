@@ -1,8 +1,8 @@
 """Our C++ kernels as an AVX2-only CPU builds them, checked on a machine with AVX-512.
 
 The kernels have AVX-512, AVX2 and portable paths, chosen at build time from the machine's
-instruction set (`-march=native`). A CI machine with AVX-512 never runs the AVX2 ones, which the
-AVX2-only EPYCs these sessions also draw do run. `CONTBATCH_NATIVE_CFLAGS=-mno-avx512f` builds the
+instruction set (`-march=native`). A CI machine with AVX-512 never runs the AVX2 ones, which
+AVX2-only CPUs do run. `CONTBATCH_NATIVE_CFLAGS=-mno-avx512f` builds the
 library again without AVX-512 (its own build key, so both stay cached), and the kernel tests run
 against that build in a child process.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from contbatch import native
+from contbatch.cpu import native
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_cpu_kernel.py", "tests/test_cpu_norm.py", "tests/test_cpu_rotary.py",
@@ -39,7 +39,7 @@ def test_kernels_built_without_avx512_match_the_references():
     if not native.load()[0]:
         pytest.skip("no C++ toolchain here")
     env = dict(os.environ, **{native.EXTRA_CFLAGS_ENV: "-mno-avx512f"})
-    check = ("import contbatch.native as n; ok, how = n.load(); assert ok, how; "
+    check = ("import contbatch.cpu.native as n; ok, how = n.load(); assert ok, how; "
              "assert '-mno-avx512f' in n.cflags(); print(how)")
     built = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=900)

@@ -59,7 +59,7 @@ def ray_session():
 
 def engine_spec(tiny_dir: Path) -> EngineSpec:
     # aten linears: no start-up timing probe (seconds per engine, and five engines start here)
-    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=256, cpu_linear_kernel="aten")
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=256, cpu_kernel_overrides={"linear": "aten"})
     return EngineSpec(model=str(tiny_dir), config=config, torch_threads=1)
 
 

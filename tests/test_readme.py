@@ -33,7 +33,7 @@ def test_readme_has_python_blocks():
 
 def _serve(model, tokenizer):
     from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
-    from contbatch.models import DEFAULT_MODEL_NAME
+    from contbatch.setup.loading import DEFAULT_MODEL_NAME
     from contbatch.server.app import build_app
     from contbatch.server.draining import DrainingServer
     from contbatch.server.settings import ServerSettings
@@ -100,8 +100,33 @@ def _check_server(ns: dict, printed: str) -> None:
     assert ns["chat"].model == "SmolLM2-135M-Instruct" and 0 < ns["chat"].usage.completion_tokens <= 32
 
 
+def _check_tools(ns: dict, printed: str) -> None:
+    chat, call, answer = ns["chat"], ns["call"], ns["answer"]
+    assert chat.choices[0].finish_reason == "tool_calls" and chat.choices[0].message.content is None
+    arguments = json.loads(call.function.arguments)  # always valid JSON for the function's schema
+    assert call.function.name == "get_weather" and set(arguments) == {"city"}
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 40
+    assert f"get_weather {arguments}" in printed
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The call and its result are in the second request's context.
+    assert answer.usage.prompt_tokens > chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def _check_responses(ns: dict, printed: str) -> None:
+    client, first, then, parsed = ns["client"], ns["first"], ns["then"], ns["parsed"]
+    assert first.status == "completed" and first.output_text
+    assert then.previous_response_id == first.id
+    assert then.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens  # the stored turn
+    assert client.responses.retrieve(then.id).output_text == then.output_text
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, ns["City"])
+    same = client.responses.create(model="SmolLM2-135M-Instruct", input="Say hello.", max_output_tokens=16,
+                                   temperature=0)  # greedy: the stream printed the same text
+    assert same.output_text and same.output_text in printed
+
+
 # What each block promises, in the README's order (a block added there needs its check here).
-CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_server]
+CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_server,
+          _check_tools, _check_responses]
 
 
 def test_readme_python_blocks_run(capsys):

@@ -353,8 +353,8 @@ def test_sampled_logprobs_are_log_softmax_of_processed_logits(llama_model, param
 def test_argmax_rows_is_atens_argmax(dtype, vocab):
     """The CPU kernel's choice equals aten's: first index of the maximum (ties, -0.0 and 0.0,
     rows of -inf), the first NaN where a row holds one, any row stride."""
-    from contbatch import native
-    from contbatch.sampling.argmax import argmax_rows
+    from contbatch.cpu import native
+    from contbatch.cpu.ops import argmax_rows
 
     gen = torch.Generator().manual_seed(vocab)
     rows = 12

@@ -405,7 +405,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens (20)"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "`gpt-9` does not exist"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "unknown field 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      400, "response_format"),

@@ -32,7 +32,7 @@ from contbatch.server.formatting import LOGPROB_FLOOR, NonFiniteNumber, chat_log
 from contbatch.server.preparation import Preparer
 from contbatch.server.prompts import chat_prompt
 from contbatch.server.schemas import ChatMessage
-from contbatch.server.serve import add_arguments, server_settings
+from contbatch.cli.serve import add_arguments, server_settings
 from contbatch.server.settings import sized_body_limit
 from contbatch.server.workers import THREAD_PREFIX
 

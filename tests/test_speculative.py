@@ -124,7 +124,7 @@ def test_draft_model_runs_on_the_cpu_kernels_of_the_target_and_gives_them_back(l
     stay `generate`'s, and stopping leaves no trace on the draft's modules."""
     draft = make_tiny_model("llama", seed=7)
     prompts = random_prompts(4, 4, 20, seed=12)
-    config = ContinuousBatchingConfig(block_size=4, cpu_linear_kernel="native",
+    config = ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "small_linear"},
                                       speculative_config=_spec("draft_model", model=draft, num_speculative_tokens=3))
     gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
 

@@ -86,7 +86,7 @@ def validate(text: str, schema: dict) -> None:
 # -- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok():
-    from contbatch.models import default_model_dir
+    from contbatch.setup.loading import default_model_dir
 
     return transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, load_model
-from contbatch.distributed import run_worker
+from contbatch.engine import run_worker
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""flash-attn's paged kernels behind the kernel backend's calls (see kernels.py).
+"""flash-attn's paged kernels behind the kernel backend's calls (see base.py).
 
 flash-attn reads a token-major cache, `[num_blocks, block_size, H_kv, D]`, with block_size a
 multiple of 256; the backend choice sets both. Its window is `(left, right)` with a key

@@ -1,6 +1,6 @@
 """The one object that carries a step's layout into the model's forward.
 
-Built once per step by the runner (`engine/step_runner.py`), passed to `model(...)` as the
+Built once per step by the runner (`runtime/step_runner.py`), passed to `model(...)` as the
 `step_metadata` keyword, which `transformers` forwards untouched to every attention call.
 Every backend reads the same fields; what one backend derives for itself (the CPU backend's
 decode groups) it computes once in `prepare` and finds in `prepared`, shared by all layers.
@@ -16,7 +16,7 @@ import torch
 from ..cache.paged_cache import PagedAttentionCache
 
 if TYPE_CHECKING:
-    from .kernels import AttentionBackend
+    from .base import AttentionBackend
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -46,3 +46,17 @@ class StepMetadata:
     max_q_len: int  # host-side bounds, for kernels whose launch needs them (flash-attn)
     max_kv_len: int
     prepared: object = None  # what the backend's `prepare` derived from the host copies
+
+
+def cache_layer(meta: StepMetadata, layer_idx: int) -> int:
+    """The cache layer of this attention call: the model's layer, or for layers that attend
+    more than once per forward (`KVLayout.calls_per_layer`), one cache layer per call, in call
+    order. Calls are counted per step on its metadata (modulo, so a forward run twice with the
+    same metadata, as a CUDA-graph capture does, maps the same way)."""
+    calls = meta.cache.layout.calls_per_layer
+    if calls == 1:
+        return layer_idx
+    counts = meta.__dict__.setdefault("attention_calls", {})  # per step: the metadata is made per step
+    n = counts.get(layer_idx, 0)
+    counts[layer_idx] = n + 1
+    return layer_idx * calls + n % calls

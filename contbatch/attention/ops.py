@@ -4,44 +4,16 @@
 by index): left in the graph they would break it in every layer. So a compiled forward calls
 `torch.ops.contbatch.paged_attention` instead, which Dynamo sees as one node per layer with a
 fake implementation for shapes. The step's `StepMetadata` cannot be an operator argument (it
-is not a tensor); the runner puts it in `current_step` for the duration of every forward, on
-the engine thread: the one place contbatch keeps step state outside the model's kwargs. It is
-also how paged attention finds the step when a model's layers drop the attention kwargs, and
-how other engine-only kernels (`engine/cpu_linear.py`) know a call is part of a step.
+is not a tensor): the op takes it from `context.active_step()`, which the runner sets for
+the length of every forward (`contbatch/context.py`).
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
 
-from .metadata import StepMetadata
-
-# The kwarg value a compiled forward passes instead of the metadata: a constant Dynamo guards
-# on by identity, telling paged attention to take the step from `current_step`.
-COMPILED_STEP = "contbatch-compiled-step"
-
-_local = threading.local()
-
-
-def active_step() -> StepMetadata | None:
-    """The step being run on this thread, or None outside an engine forward."""
-    return getattr(_local, "meta", None)
-
-
-def in_step() -> bool:
-    return getattr(_local, "meta", None) is not None
-
-
-@contextmanager
-def current_step(meta: StepMetadata):
-    _local.meta = meta
-    try:
-        yield
-    finally:
-        _local.meta = None
+from ..context import active_step
+from .metadata import cache_layer
 
 
 @torch.library.custom_op("contbatch::paged_attention", mutates_args=())
@@ -60,8 +32,6 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     meta = active_step()
     if meta is None:
         raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
-    from .paged import cache_layer  # paged imports this module
-
     layer = cache_layer(meta, layer)
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
     window = None if sliding_window < 0 else sliding_window
@@ -75,7 +45,7 @@ def paged_attention_region(query: torch.Tensor, key: torch.Tensor, value: torch.
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` with the layer index as a 0-d CPU tensor, an input rather than a
     constant of the graph, so identical decoder layers trace to one nested compile region
-    (`engine/compile.py`, `mark_layer_regions`; CPU models only: a CPU input in a CUDA graph is
+    (`runtime/compile.py`, `mark_layer_regions`; CPU models only: a CPU input in a CUDA graph is
     left for the GPU check)."""
     # The function, not the op: a second pass through the dispatcher cost ~25 us per layer.
     return _paged_attention(query, key, value, int(layer), scaling, sliding_window, softcap, sinks)

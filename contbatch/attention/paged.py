@@ -1,7 +1,7 @@
 """Paged attention, plugged into `transformers` through its attention registry.
 
 Each attention call of the model writes the step's new K/V into the paged cache and hands the
-layer to the backend chosen at start-up (`kernels.py`), with the step's `StepMetadata`. A call
+layer to the backend chosen at start-up (`select.py`), with the step's `StepMetadata`. A call
 without it comes from outside the engine (a user's `model.generate` while a manager is
 attached) and goes to the attention the model had before.
 """
@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from .. import context
 from . import ops  # noqa: F401  (registers torch.ops.contbatch.paged_attention)
-from .metadata import StepMetadata
+from .metadata import StepMetadata, cache_layer
 
 ATTENTION_NAME = "contbatch_paged"
 
@@ -44,7 +45,7 @@ def paged_attention_forward(
     """query: [1, H, T, D]; key/value: [1, H_kv, T, D]; returns ([1, T, H, D], None)."""
     if step_metadata is None and not torch.compiler.is_compiling():
         # Layers that drop `**kwargs` on the way down lose the kwarg: the step is on the thread.
-        step_metadata = ops.active_step()
+        step_metadata = context.active_step()
     if step_metadata is None:  # a call from outside the engine: behave as the model did before
         extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         return _fallback_attention(module)(
@@ -52,7 +53,7 @@ def paged_attention_forward(
         )
     # Attention sinks (gpt-oss): one learned logit per query head, in every softmax denominator.
     sinks = kwargs.get("s_aux")
-    if step_metadata is ops.COMPILED_STEP:  # a compiled step: one opaque op; the step is in `current_step`
+    if step_metadata is context.COMPILED_STEP:  # a compiled step: one opaque op; the step is in the context
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         window = -1 if sliding_window is None else sliding_window
         layer = getattr(module, "_contbatch_layer", None)  # a tensor where layers are compile regions
@@ -66,20 +67,6 @@ def paged_attention_forward(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
     return meta.backend.attend(query, key, value, meta, layer, scaling, sliding_window, softcap, sinks), None
-
-
-def cache_layer(meta: StepMetadata, layer_idx: int) -> int:
-    """The cache layer of this attention call: the model's layer, or for layers that attend
-    more than once per forward (`KVLayout.calls_per_layer`), one cache layer per call, in call
-    order. Calls are counted per step on its metadata (modulo, so a forward run twice with the
-    same metadata, as a CUDA-graph capture does, maps the same way)."""
-    calls = meta.cache.layout.calls_per_layer
-    if calls == 1:
-        return layer_idx
-    counts = meta.__dict__.setdefault("attention_calls", {})  # per step: the metadata is made per step
-    n = counts.get(layer_idx, 0)
-    counts[layer_idx] = n + 1
-    return layer_idx * calls + n % calls
 
 
 def _fallback_attention(module: torch.nn.Module) -> Callable:

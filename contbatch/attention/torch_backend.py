@@ -2,15 +2,15 @@
 
 From the step's host copies, `prepare` derives two kinds of work that every layer then reuses:
 - decode rows (one query token each; they come first in the batch, shortest first) are
-  attended in one call of our C++ kernel (`cpu_kernel.py`), which reads K/V in place through
+  attended in one call of our C++ kernel (`cpu/ops.py`), which reads K/V in place through
   the block tables. Without it (decode fast path off) they are split into a few groups of
   similar key length, each attended in one batched matmul against keys gathered from the
   paged cache, with grouped-query heads folded so K/V are never repeated: the reference the
   kernel is tested against;
 - prefill rows (prompt chunks) are attended in one call of our C++ prefill kernel
-  (`cpu_kernel.py`), which reads every chunk's keys in place, the step's own included (they
+  (`cpu/ops.py`), which reads every chunk's keys in place, the step's own included (they
   are in the cache before attention runs): 2-4x aten's SDPA on the default model's prompts.
-  Without it (`cpu_prefill_kernel='aten'`, no compiler) they run through
+  Without it (the `prefill` CPU kernel "off", no compiler) they run through
   `scaled_dot_product_attention` one request at a time, so each attends only to its own keys:
   a first chunk to the step's fresh K/V directly, a later one to its gathered earlier keys.
   That path is the reference the kernel is tested against.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged_cache import PagedAttentionCache
-from . import cpu_kernel
+from ..cpu import ops as cpu_ops
 from .metadata import StepMetadata, visible_keys
 
 MAX_DECODE_GROUPS = 4
@@ -202,8 +202,8 @@ class TorchBackend:
             n = step.decode_rows.num_rows
             k_cache, v_cache = meta.cache.kv(layer)
             q = query[0, :, :n].transpose(0, 1).contiguous()
-            out[:n] = cpu_kernel.paged_decode(q, k_cache, v_cache, step.decode_rows.block_table,
-                                              step.decode_rows.kv_lens, sinks, meta.cache.block_size, scaling,
+            out[:n] = cpu_ops.paged_decode(q, k_cache, v_cache, step.decode_rows.block_table,
+                                           step.decode_rows.kv_lens, sinks, meta.cache.block_size, scaling,
                                               sliding_window, softcap)
         for group in step.decode_groups:
             rows = slice(group.row_start, group.row_start + group.num_rows)
@@ -214,8 +214,8 @@ class TorchBackend:
             k_cache, v_cache = meta.cache.kv(layer)
             q = query[0].transpose(0, 1)  # [T, H, D]: the projections' layout, no copy
             q = q if q.stride(-1) == 1 else q.contiguous()
-            cpu_kernel.paged_prefill(q, k_cache, v_cache, c.block_table, c.q_start, c.q_lens, c.kv_lens, sinks,
-                                     meta.cache.block_size, scaling, sliding_window, softcap, out)
+            cpu_ops.paged_prefill(q, k_cache, v_cache, c.block_table, c.q_start, c.q_lens, c.kv_lens, sinks,
+                                  meta.cache.block_size, scaling, sliding_window, softcap, out)
         for row in step.prefill_rows:
             s, n = row.q_start, row.q_len
             q = query[:, :, s : s + n]

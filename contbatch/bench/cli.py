@@ -57,7 +57,7 @@ def _tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
     if path is None:
-        from ..models import default_model_dir
+        from ..setup.loading import default_model_dir
 
         path = str(default_model_dir())
     return AutoTokenizer.from_pretrained(path)

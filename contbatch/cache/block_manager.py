@@ -36,13 +36,13 @@ class BlockKey:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = False, eviction: str = "lru"
+        self, num_blocks: int, block_size: int, allow_block_sharing: bool = False, eviction: str = "lru"
     ) -> None:
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_sharing = enable_prefix_sharing
+        self.allow_block_sharing = allow_block_sharing
         self.eviction = eviction
         self._free: deque[int] = deque(range(num_blocks))  # free, holding nothing reusable
         self._cached: OrderedDict[int, None] = OrderedDict()  # free, hashed: in release order
@@ -152,7 +152,7 @@ class BlockManager:
         Returns the tokens whose KV is now in place. The last token is always left to compute:
         the step needs its logits.
         """
-        if not self.enable_prefix_sharing or self.block_tables.get(request_id):
+        if not self.allow_block_sharing or self.block_tables.get(request_id):
             return 0
         eligible = (len(token_ids) - 1) // self.block_size
         self.prefix_queries += eligible * self.block_size
@@ -187,7 +187,7 @@ class BlockManager:
 
     def commit(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Hash the request's blocks that `num_computed` tokens have just completed."""
-        if not self.enable_prefix_sharing:
+        if not self.allow_block_sharing:
             return
         table = self.block_tables.get(request_id, [])
         done = self._hashed.get(request_id, 0)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ..config import DEFAULT_MAX_MEMORY_PERCENT, MIN_BLOCK_SIZE
+from ..config import DEFAULT_CPU_MAX_MEMORY_PERCENT, DEFAULT_MAX_MEMORY_PERCENT, MIN_BLOCK_SIZE
+from ..cpu import ops as cpu_ops
 from .block_manager import BlockManager, blocks_for
 
 logger = logging.getLogger("contbatch")
@@ -70,9 +71,11 @@ def solve_num_blocks(
     device: torch.device,
     wanted_tokens: int,
     max_memory_percent: float | None,
-    max_cpu_memory_percent: float,
 ) -> tuple[int, str]:
-    """Pick `num_blocks` when the user did not; returns it with the rule that applied."""
+    """Pick `num_blocks` when the user did not; returns it with the rule that applied. The
+    cache may take `max_memory_percent` of the memory of the device it lives on (None: 0.9 of
+    a GPU's free memory; on the CPU, what the workload can use, within 0.2 of the available
+    RAM, which the process shares with the model's weights and activations)."""
     per_block = layout.bytes_per_block(block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -81,11 +84,12 @@ def solve_num_blocks(
         return max(1, n), f"gpu: {share:.0%} of {free / 2**30:.1f} GiB free device memory"
     wanted = blocks_for(wanted_tokens, block_size)
     available = psutil.virtual_memory().available
-    cap = max(1, int(available * max_cpu_memory_percent) // per_block - RESERVED_BLOCKS)
+    share = max_memory_percent or DEFAULT_CPU_MAX_MEMORY_PERCENT
+    cap = max(1, int(available * share) // per_block - RESERVED_BLOCKS)
     if wanted <= cap:
         return wanted, f"cpu: workload needs {wanted_tokens} tokens (under the RAM cap of {cap} blocks)"
     return cap, (
-        f"cpu: capped at {max_cpu_memory_percent:.0%} of {available / 2**30:.1f} GiB available RAM "
+        f"cpu: capped at {share:.0%} of {available / 2**30:.1f} GiB available RAM "
         f"(workload wanted {wanted} blocks)"
     )
 
@@ -97,7 +101,7 @@ class PagedAttentionCache:
         num_blocks: int,
         block_size: int,
         device: torch.device | str = "cpu",
-        enable_prefix_sharing: bool = False,
+        allow_block_sharing: bool = False,
         eviction: str = "lru",
         token_major: bool = False,
     ) -> None:
@@ -116,10 +120,10 @@ class PagedAttentionCache:
         self.read_trash_slot = num_blocks * block_size
         self.sentinel_slot = self.read_trash_slot + 1
         self.write_trash_slot = (num_blocks + 1) * block_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_sharing, eviction)
-        # On the CPU our C++ writer (csrc/kv_write_cpu.cpp) stores a step's rows without first
+        self.block_manager = BlockManager(num_blocks, block_size, allow_block_sharing, eviction)
+        # On the CPU our C++ writer (cpu/csrc/kv_write_cpu.cpp) stores a step's rows without first
         # reading the cache lines they overwrite: aten's index_copy_ was ~10% of a decode step.
-        self.native_write = self.device.type == "cpu" and _native_kv_write()
+        self.native_write = self.device.type == "cpu" and cpu_ops.kv_write_available()
 
     @property
     def num_rows(self) -> int:
@@ -192,19 +196,13 @@ class PagedAttentionCache:
         if self.native_write:
             k_cache, v_cache = self.kv(layer_idx)
             key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
-            torch.ops.contbatch_cpu.kv_write(k_cache, v_cache, slots, key, value)
+            cpu_ops.kv_write(k_cache, v_cache, slots, key, value)
         elif self.token_major:
             self.key_cache[layer_idx].index_copy_(0, slots, key.transpose(0, 1))
             self.value_cache[layer_idx].index_copy_(0, slots, value.transpose(0, 1))
         else:
             self.key_cache[layer_idx].index_copy_(1, slots, key)
             self.value_cache[layer_idx].index_copy_(1, slots, value)
-
-
-def _native_kv_write() -> bool:
-    from .. import native
-
-    return native.load()[0] and hasattr(torch.ops.contbatch_cpu, "kv_write")
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -27,12 +27,18 @@ import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..cache.paged_cache import KVLayout
 from ..config import ContinuousBatchingConfig, ResolvedConfig
+from ..cpu.knobs import without_routers
+from ..runtime.step_runner import RunnerFailure
+
+if TYPE_CHECKING:
+    from ..cpu.plan import CpuPlan
 
 logger = logging.getLogger("contbatch")
 
@@ -40,7 +46,7 @@ TIMEOUT_ENV = "CONTBATCH_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
 
 
-class RankFailure(RuntimeError):
+class RankFailure(RunnerFailure):
     """A rank stopped answering (died, hung, or its collectives failed): the engine cannot go on."""
 
 
@@ -121,6 +127,13 @@ def shard_layout(layout: KVLayout, model: torch.nn.Module) -> KVLayout:
     return dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // tp)
 
 
+def _own_linear(base: CpuPlan | None, own: CpuPlan | None) -> CpuPlan | None:
+    """Rank 0's CPU plan with this rank's own linear plan (each rank routes its own shards)."""
+    if base is None or own is None:
+        return own
+    return dataclasses.replace(base, linear=own.linear)
+
+
 @dataclasses.dataclass
 class TensorParallel:
     """This process's place in a TP engine, and the engine's gloo group."""
@@ -183,8 +196,9 @@ class TensorParallel:
     def share_config(self, config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
         """Every rank takes rank 0's config (workers are built without one), adjusted for TP:
         the step's inputs must be whole on the host when rank 0 sends them, so async batching
-        (tokens carried over on the device), CUDA graphs and compiled steps are off, and so is
-        the CPU linear router (it times kernels per rank and does not take sharded weights)."""
+        (tokens carried over on the device), CUDA graphs and compiled steps are off, and so are
+        the CPU kernel routers (`cpu.knobs.without_routers`: they time and check kernels per
+        rank, and do not take sharded weights)."""
         spec = getattr(config, "speculative_config", None)
         refused = (self.is_driver and spec is not None and spec.method == "draft_model")
         # Refused on every rank alike (the workers wait in the broadcast): a draft model runs its
@@ -196,8 +210,8 @@ class TensorParallel:
         if isinstance(box[0], str):
             raise ValueError(box[0])
         cfg = box[0]
-        off = {"use_async_batching": False, "use_cuda_graph": False, "cpu_linear_kernel": "aten",
-               "cpu_rms_norm_kernel": "aten", "cpu_rotary_kernel": "aten", "cpu_layer_kernel": "aten",
+        off = {"use_async_batching": False, "use_cuda_graph": False,
+               "cpu_kernel_overrides": without_routers(cfg.cpu_kernel_overrides),
                "default_compile_level": 0, "decode_compile_config": None, "varlen_compile_config": None}
         asked = [k for k in ("use_async_batching", "use_cuda_graph", "decode_compile_config", "varlen_compile_config")
                  if getattr(cfg, k)] + (["default_compile_level"] if cfg.default_compile_level else [])
@@ -223,7 +237,7 @@ class TensorParallel:
         return dataclasses.replace(
             base, device=resolved.device, num_blocks=n, num_blocks_rule=rule, max_requests_per_batch=min(base.max_requests_per_batch, n),
             kv_cache_bytes=(n + 2) * per_block, tp_size=self.size, tp_rank=self.rank, tp_backend=self.backend,
-            kv_heads_per_rank=kv_heads_per_rank, cpu_linear=resolved.cpu_linear,
+            kv_heads_per_rank=kv_heads_per_rank, cpu=_own_linear(base.cpu, resolved.cpu),
             notes=base.notes + self.notes, warnings=base.warnings + self.warnings,
         )
 

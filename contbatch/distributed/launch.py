@@ -11,7 +11,7 @@ longer match). Unlike torchrun's agent we do not kill every rank at once: rank 0
 requests with the reason first and drains.
 - A worker that dies: rank 0 sees it at once (a step, or the heartbeat within a second, see
   steps.py); its engine stops, so `/health` answers 503; `run_as_rank` then sends rank 0 a
-  SIGTERM, which the server takes as a drain, and returns 1. This launcher, which watches
+  SIGTERM, which the server takes as a drain, and returns 1 (`cli/ranks.py`). This launcher, which watches
   every rank, logs the death, and kills rank 0 if it is still running `timeout_s()` +
   `WORKER_EXIT_GRACE_S` later.
 - A worker that hangs: rank 0 sees it after `CONTBATCH_TP_TIMEOUT` seconds, then as above.
@@ -32,9 +32,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from .group import RankFailure, on_failure, timeout_s
+from .group import timeout_s
 
 logger = logging.getLogger("contbatch")
 
@@ -154,70 +154,3 @@ def _ended(code: int) -> str:
 def launch(size: int, cli_argv: Sequence[str]) -> int:
     """`python -m contbatch.cli ARGV` as `size` ranks (the CLI's own entry under TP)."""
     return spawn(size, [sys.executable, "-m", "contbatch.cli", *cli_argv])
-
-
-def launch_ranks(args) -> int | None:
-    """The CLI's `--tensor-parallel-size N`: outside a rank (no WORLD_SIZE), check that N fits
-    the model, start the N ranks and return rank 0's exit status; inside one, None (go on)."""
-    size = args.tensor_parallel_size
-    if size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {size}")
-    if "WORLD_SIZE" in os.environ:
-        if int(os.environ["WORLD_SIZE"]) != size:
-            raise ValueError(f"--tensor-parallel-size {size} but this process is one of WORLD_SIZE="
-                             f"{os.environ['WORLD_SIZE']} ranks")
-        return None
-    if size == 1:
-        return None
-    from ..models import check_tp_model
-
-    check_tp_model(args.model, size)  # refused here, before any rank starts
-    return launch(size, args.argv)
-
-
-def run_as_rank(model, drive: Callable[[], int]) -> int:
-    """Rank 0 (or one process) runs `drive`; a worker rank runs rank 0's steps until stopped.
-    Either way the default group, initialized by `load_model`, is destroyed here at the end,
-    unless the group failed (a dead peer may keep the teardown waiting; the process exits).
-
-    Rank 0 whose group fails while `drive` runs logs it once, returns GROUP_FAILED_STATUS,
-    and, if the process has a SIGTERM handler (the server's: a drain), sends itself SIGTERM,
-    so that a server whose engine can no longer answer ends instead of answering 503 forever.
-    Without one (`contbatch generate`), `drive` ends on its own: its requests fail."""
-    import torch.distributed as dist
-
-    from .group import model_tp_size
-    from .steps import run_worker
-
-    if model_tp_size(model) == 1:
-        return drive()
-    failures: list[RankFailure] = []
-    try:
-        if dist.get_rank() == 0:
-            remove = on_failure(lambda failure: _end_rank0(failure, failures))
-            try:
-                status = drive()
-            finally:
-                remove()
-            return GROUP_FAILED_STATUS if failures else status
-        try:
-            run_worker(model)
-            return 0
-        except RankFailure as exc:
-            failures.append(exc)
-            logger.error("contbatch: %s", exc)
-            return GROUP_FAILED_STATUS
-    finally:
-        if dist.is_initialized() and not failures:
-            dist.destroy_process_group()
-
-
-def _end_rank0(failure: RankFailure, failures: list[RankFailure]) -> None:
-    """Rank 0's reaction to its group failing (any thread): record it, say it once, end."""
-    failures.append(failure)
-    handler = signal.getsignal(signal.SIGTERM)
-    ending = "this server drains and exits" if callable(handler) else "this run ends"
-    logger.error("contbatch: the tensor-parallel group failed, so %s with status %d (for a supervisor to restart "
-                 "it): %s", ending, GROUP_FAILED_STATUS, failure)
-    if callable(handler):
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..engine.step_batch import StepBatch
+from ..runtime.step_batch import StepBatch
 from .group import RankFailure, TensorParallel, report_failure
 
 logger = logging.getLogger("contbatch")
@@ -139,7 +139,10 @@ class DriverRunner:
             finally:
                 self._lock.release()
 
-    def stop_workers(self) -> None:
+    def stats(self) -> dict:
+        return {"tp_steps_sent": self.sends, "tp_broadcast_seconds": self.send_seconds}
+
+    def close(self) -> None:
         """Tell the workers to leave their loop (once; not after a failure: they are gone)."""
         self._closed.set()  # no heartbeat from now on
         with self._lock:
@@ -150,52 +153,3 @@ class DriverRunner:
                     logger.warning("contbatch: could not stop the tensor-parallel workers: %s", exc)
                 self.failure = RankFailure("the tensor-parallel workers were stopped with the manager; a stopped TP "
                                            "manager cannot start again")
-
-
-def run_worker_loop(manager) -> int:
-    """A worker rank: run rank 0's steps until it says stop; returns the steps run. Raises
-    RankFailure when rank 0 goes away or a step cannot run here (rank 0 died mid-forward, or
-    the forward itself failed): a worker that cannot run a step must end, so that rank 0 sees
-    it and fails its requests, never diverge."""
-    from ..attention.paged import attach, detach
-    from ..engine.resolve import describe
-
-    tp: TensorParallel = manager.tensor_parallel
-    core = manager.core
-    logger.info("contbatch: %s; %s", tp.describe(), describe(manager.resolved_config))
-    saved = attach(manager.model)
-    steps = 0
-    try:
-        with torch.inference_mode():
-            while True:
-                message: StepMessage = tp.recv()
-                if message.ping:
-                    tp.answer()
-                    continue
-                for op, args in message.host_ops:
-                    getattr(core.host, op)(*args)
-                if message.stop:
-                    return steps
-                try:
-                    core.runner.launch(unpack_batch(message.batch), None)
-                except Exception as exc:
-                    raise RankFailure(f"{tp.describe()} could not run step {steps + 1} (rank 0 died or hung "
-                                      f"mid-step, or the forward failed here): {type(exc).__name__}: "
-                                      f"{str(exc)[:200]}") from exc
-                steps += 1
-    finally:
-        detach(manager.model, saved)
-
-
-def run_worker(model: torch.nn.Module, generation_config=None) -> int:
-    """The whole life of a worker rank: build the engine (rank 0's config arrives at start),
-    run rank 0's steps until it stops, release the engine's group. Returns the steps run."""
-    from ..engine.manager import ContinuousBatchingManager
-
-    manager = ContinuousBatchingManager(model, generation_config)
-    try:
-        steps = run_worker_loop(manager)
-        logger.info("contbatch: %s stopped by rank 0 after %d steps", manager.tensor_parallel.describe(), steps)
-        return steps
-    finally:
-        manager.destroy()

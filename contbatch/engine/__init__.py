@@ -1,3 +1,4 @@
 from .manager import ContinuousBatchingManager
+from .worker import run_worker
 
-__all__ = ["ContinuousBatchingManager"]
+__all__ = ["ContinuousBatchingManager", "run_worker"]

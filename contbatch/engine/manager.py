@@ -9,35 +9,33 @@ thread-safe structures: an inbox queue for commands (add, cancel, wake) and the
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
-from tqdm.auto import tqdm
 
 from ..attention.paged import attach, detach
-from .cpu_routers import CpuRouters
+from ..cpu.routers import CpuRouters
 from .control import CONTROL, AdminLock, EngineControl
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
-from ..distributed.group import RankFailure, TensorParallel
-from ..distributed.steps import DriverRunner
 from ..requests import GenerationOutput, RequestState, RequestStatus
 from ..sampling.params import SamplingParams
 from ..sampling.structured import StructuredOutput
 from ..scheduling.scheduler import Scheduler
-from .core import EngineCore
-from .resolve import describe, resolve_config
+from ..runtime.core import EngineCore
+from ..runtime.step_runner import RunnerFailure
+from ..setup.build import build_engine
+from ..setup.resolve import describe
 from .results import ResultStore
 from .stopping import stop_defaults
-from .submission import RequestBuilder
-from .support import check_model_support
+from .submission import RequestBuilder, prefix_order
+from .warmup import warm_up
+from ..speculative.speculator import make_speculator
 from .threads import release_openmp_pool
 
 logger = logging.getLogger("contbatch")
@@ -54,24 +52,18 @@ class ContinuousBatchingManager(EngineControl):
         tokenizer=None,
     ) -> None:
         self.model = model
-        # Tensor parallelism (a model loaded with tp_plan): every rank builds the engine with
-        # rank 0's config; rank 0 drives, the others run its steps (contbatch/distributed/).
-        self.tensor_parallel = TensorParallel.for_model(model)
-        if self.tensor_parallel is not None:
-            config = self.tensor_parallel.share_config(config)
-        self.config = config or ContinuousBatchingConfig()
-        check_model_support(model, self.config)  # a model it cannot run exactly is refused here (ValueError)
+        built = build_engine(model, config, self._publish)  # a model it cannot run exactly: ValueError
+        self.config = built.config
+        self.resolved_config: ResolvedConfig = built.resolved
+        self.tensor_parallel = built.group  # rank 0 drives; the other ranks run its steps (engine/worker.py)
         self.defaults = stop_defaults(model, generation_config)
-        self.resolved_config: ResolvedConfig
-        self.resolved_config, layout = resolve_config(self.config, model)
-        if self.tensor_parallel is not None:
-            self.resolved_config = self.tensor_parallel.agree(self.resolved_config, layout.num_kv_heads)
         self.tokenizer = tokenizer
         vocab = model.get_input_embeddings().num_embeddings
         self._builder = RequestBuilder(self.resolved_config, self.defaults, vocab, tokenizer)
-        self.core: EngineCore | None = EngineCore(model, self.resolved_config, layout, self._publish)
-        if self.tensor_parallel is not None and self.tensor_parallel.is_driver:
-            self.core.runner = DriverRunner(self.core.runner, self.tensor_parallel, self.core.host)
+        self.core: EngineCore | None = built.core
+        r = self.resolved_config
+        if r.speculative is not None:
+            self.core.speculator = make_speculator(r.speculative, model, r)
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples
@@ -104,11 +96,10 @@ class ContinuousBatchingManager(EngineControl):
         if self.is_running():
             logger.warning("contbatch manager already running; start() ignored")
             return
-        if isinstance(self.core.runner, DriverRunner):
-            self.core.runner.check()  # its workers were stopped with it, or are gone
+        self.core.runner.check()  # a tensor-parallel group: its workers were stopped with it, or are gone
         r = self.resolved_config
         self._saved_attn = attach(self.model)
-        self._routers = CpuRouters(self.model, r.cpu_linear, r.cpu_rms_norm, r.cpu_rotary, r.cpu_layer)
+        self._routers = CpuRouters(self.model, r.cpu)
         self._routers.install()
         logger.info(describe(r))
         for warning in r.warnings:
@@ -124,50 +115,12 @@ class ContinuousBatchingManager(EngineControl):
         if r.decode_compile is None and r.varlen_compile is None:
             self._warm.set()
         elif wait_warm:
-            self._warm_up()
+            warm_up(self)
         else:
-            threading.Thread(target=self._warm_up, name="contbatch-warmup", daemon=True).start()
-
-    def _compile_failed(self, error: str) -> None:
-        """A compiled step that cannot run here (no C++ compiler, an unsupported op) must not
-        fail every request: say so loudly, in the log and in `resolved_config`, and run eager."""
-        message = f"compiled steps failed to run ({error}); running eager instead"
-        logger.error("contbatch: %s", message)
-        self.core.runner.compiled = {}
-        self.resolved_config = dataclasses.replace(
-            self.resolved_config, decode_compile=None, varlen_compile=None,
-            warnings=self.resolved_config.warnings + (message,),
-        )
+            threading.Thread(target=warm_up, args=(self,), name="contbatch-warmup", daemon=True).start()
 
     def is_warm(self) -> bool:
         return self._warm.is_set()
-
-    def _warm_up(self) -> None:
-        """Compile before the first real request pays for it: a varlen step of two prompt
-        chunks, decode steps of two rows and of one (with dynamic shapes one graph serves them
-        all; with `dynamic=False` or a branch on the size, each is a compile of its own)."""
-        t0 = time.perf_counter()
-        vocab = self.model.get_input_embeddings().num_embeddings
-        length = max(2, min(self.resolved_config.q_padding_interval_size + 6, self.resolved_config.max_context - 4))
-        prompt = [3 + i % max(1, vocab - 3) for i in range(length)]
-        rounds = [[prompt, prompt[::-1]], [prompt[:1]]]
-        try:
-            with tqdm(total=len(rounds), desc="contbatch: compiling steps", unit="phase") as bar:
-                for i, prompts in enumerate(rounds):
-                    ids = self.add_requests(prompts, max_new_tokens=3 - i,
-                                            request_ids=[f"contbatch-warmup-{i}-{j}" for j in range(len(prompts))])
-                    failed = [out.error for out in map(self.get_result, ids) if out.status != RequestStatus.FINISHED]
-                    if failed:
-                        self._compile_failed(failed[0])
-                        break
-                    bar.update(1)
-        except ValueError as exc:  # e.g. a queue limit below the warm-up's requests: compile on first use
-            logger.warning("contbatch: compiled steps not warmed up (%s); the first requests compile them", exc)
-        except RuntimeError:  # stopped while warming: nothing to warm any more
-            return
-        logger.info("contbatch: compiled steps warmed up in %.1f s (%d compiles)", time.perf_counter() - t0,
-                    self.core.runner.compiles)
-        self._warm.set()
 
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
         """Graceful: finish everything submitted. Hard: fail what is not finished.
@@ -197,8 +150,8 @@ class ContinuousBatchingManager(EngineControl):
         """Stop (hard) and free the KV cache; the manager cannot start again. Under tensor
         parallelism it also releases the engine's own process group (idempotent)."""
         self.stop(hard_stop=True)
-        if self.core is not None and isinstance(self.core.runner, DriverRunner):
-            self.core.runner.stop_workers()  # never started: the workers still wait for a first step
+        if self.core is not None:
+            self.core.runner.close()  # tensor parallelism, never started: the workers still wait for a first step
         self.core = None
         if self.tensor_parallel is not None:
             self.tensor_parallel.destroy()
@@ -258,7 +211,8 @@ class ContinuousBatchingManager(EngineControl):
         dupes = len(groups) - len({g[0].parent_id for g in groups})
         if dupes:
             raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
-        self._submit(self._prefix_order(groups), queue_chunks)
+        self._submit(groups if not self.resolved_config.allow_block_sharing else
+                     prefix_order(groups, self.resolved_config.block_size), queue_chunks)
         return [g[0].parent_id for g in groups]
 
     def compile_grammar(self, spec: StructuredOutput) -> Future:
@@ -279,30 +233,12 @@ class ContinuousBatchingManager(EngineControl):
         tp = self.tensor_parallel
         if tp is not None and not tp.is_driver:
             raise RuntimeError(f"{call}() on {tp.describe()}: only rank 0 takes requests and commands; run "
-                               "contbatch.distributed.run_worker(model) on the other ranks")
+                               "contbatch.engine.run_worker(model) on the other ranks")
 
     def _check_running(self) -> None:
         self._check_driver("add_request")
         if not self._accepting or not self.is_running():
             raise RuntimeError("the manager is not running: call start() before adding requests")
-
-    def _prefix_order(self, groups: list[list[RequestState]]) -> list[list[RequestState]]:
-        if not self.resolved_config.prefix_sharing or len(groups) < 2:
-            return groups
-        bs = self.resolved_config.block_size
-        leaders: list[list[RequestState]] = []  # first of each prefix, and prompts too short to share
-        seen: set[tuple[int, ...]] = set()
-        followers: list[tuple[tuple[int, ...], int, list[RequestState]]] = []
-        for i, group in enumerate(groups):
-            prompt = group[0].prompt_ids
-            key = tuple(prompt[:bs])
-            if len(prompt) <= bs or key not in seen:
-                seen.add(key)
-                leaders.append(group)
-            else:
-                followers.append((key, i, group))
-        followers.sort(key=lambda f: (f[0], f[1]))
-        return leaders + [f[2] for f in followers]
 
     def _submit(self, groups: list[list[RequestState]], queue_chunks: bool = True) -> None:
         with self._results.lock():  # the engine thread stops accepting under the same lock
@@ -367,8 +303,7 @@ class ContinuousBatchingManager(EngineControl):
             with torch.inference_mode():  # once for the thread, not per step
                 self._loop()
         finally:  # however the loop ended (stop(), a crash): the model is the user's again
-            if isinstance(self.core.runner, DriverRunner):
-                self.core.runner.stop_workers()  # graceful: drained already; hard: failed below
+            self.core.runner.close()  # tensor parallelism: graceful, drained already; hard, failed below
             with self._results.lock():  # no submission gets past this point any more...
                 self._accepting = False
             self._fail_all("manager stopped before the request was scheduled")  # ...and any that did is answered
@@ -390,16 +325,15 @@ class ContinuousBatchingManager(EngineControl):
                     break
                 if busy:
                     self.core.step()
-                if isinstance(self.core.runner, DriverRunner):  # busy or idle (the TP heartbeat):
-                    self.core.runner.check()  # a rank gone: stop here, failing everything
+                self.core.runner.check()  # busy or idle: a tensor-parallel rank gone stops here, failing everything
         except Exception as exc:  # a bug in the loop itself, or a rank gone: fail everything, lose nothing
-            if isinstance(exc, RankFailure):  # the reason is the whole story: no traceback
+            if isinstance(exc, RunnerFailure):  # the reason is the whole story: no traceback
                 logger.error("contbatch engine stopped: %s", exc)
             else:
                 logger.exception("contbatch engine loop crashed")
             with self._results.lock():
                 self._accepting = False
-            self._fail_all(str(exc) if isinstance(exc, RankFailure) else f"engine loop crashed: {exc!r}")
+            self._fail_all(str(exc) if isinstance(exc, RunnerFailure) else f"engine loop crashed: {exc!r}")
             return
         if self._stop_mode == "hard":
             self._fail_all("manager stopped (hard stop) before the request finished")
@@ -452,6 +386,5 @@ class ContinuousBatchingManager(EngineControl):
             **core,
             "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
             "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
-            **({"tp_steps_sent": runner.sends, "tp_broadcast_seconds": runner.send_seconds}
-               if isinstance(runner := getattr(self.core, "runner", None), DriverRunner) else {}),
+            **(self.core.runner.stats() if self.core else {}),
         }

@@ -64,13 +64,6 @@ class ResultStore:
                 if states[0].streaming and queue_chunks:
                     self._streams[rid] = queue.Queue()
 
-    def unregister(self, parent_id: str) -> None:
-        with self._cond:
-            self._known.discard(parent_id)
-            self._end(parent_id)
-            self._groups.pop(parent_id, None)
-            self._streams.pop(parent_id, None)
-
     def _end(self, parent_id: str) -> None:
         """No longer live (under the lock)."""
         if parent_id in self.live:

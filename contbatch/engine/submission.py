@@ -181,3 +181,25 @@ class RequestBuilder:
         return IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens, params.stop or (), params.include_stop_str_in_output
         )
+
+
+def prefix_order(groups: list[list[RequestState]], block_size: int) -> list[list[RequestState]]:
+    """With prefix sharing on, one request per distinct leading block goes first and the others
+    follow grouped by prefix: the leaders compute the shared blocks, and the followers,
+    admitted in later steps, find them cached."""
+    if len(groups) < 2:
+        return groups
+    bs = block_size
+    leaders: list[list[RequestState]] = []  # first of each prefix, and prompts too short to share
+    seen: set[tuple[int, ...]] = set()
+    followers: list[tuple[tuple[int, ...], int, list[RequestState]]] = []
+    for i, group in enumerate(groups):
+        prompt = group[0].prompt_ids
+        key = tuple(prompt[:bs])
+        if len(prompt) <= bs or key not in seen:
+            seen.add(key)
+            leaders.append(group)
+        else:
+            followers.append((key, i, group))
+    followers.sort(key=lambda f: (f[0], f[1]))
+    return leaders + [f[2] for f in followers]

@@ -10,7 +10,8 @@ deep inside a deployment. docs/ray.md says what runs where.
 - `data.py`: `ContbatchPredictor` for `Dataset.map_batches`, and `generate(ds, ...)`.
 - `spec.py`: `EngineSpec`, what each actor needs to build its engine.
 - `draining.py`: the front's drain; `shutdown.py`: how `contbatch serve --ray-replicas` ends
-  on a signal (the drain, Serve, then the Ray runtime it started).
+  on a signal (the drain, Serve, then the Ray runtime it started). The commands themselves
+  (`contbatch serve/generate --ray-replicas`) are in `contbatch/cli/ray.py`.
 """
 
 from __future__ import annotations

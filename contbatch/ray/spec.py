@@ -50,7 +50,7 @@ class EngineSpec:
         """Returns `(model, tokenizer)` on `device`, after setting the thread count."""
         import torch
 
-        from ..models import load_model
+        from ..setup.loading import load_model
 
         threads = self.set_threads()
         model, tokenizer = load_model(self.model, dtype=getattr(torch, self.dtype), device=self.device)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cpu.ops import argmax_rows
 from ..faults import inject
-from .argmax import argmax_rows
 from .grammar import GrammarMasks, GrammarState
 from .params import SamplingParams
 

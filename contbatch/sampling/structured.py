@@ -1,5 +1,5 @@
 """What a structured output may look like: a JSON schema, any JSON object, a regex, a choice
-among strings, or an EBNF grammar, checked in full when the spec is built.
+among strings, an EBNF grammar, or a structural tag, checked in full when the spec is built.
 
 A spec is checked where the caller can still be told (construction raises `ValueError`), never
 on the engine thread: the schema, regex or grammar is parsed by the backend (xgrammar), and a
@@ -95,8 +95,10 @@ def xgrammar():
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of: `json` (a JSON schema, dict or string), `json_object=True` (any JSON
-    object), `regex`, `choice` (one of these strings, verbatim) or `grammar` (xgrammar's EBNF,
-    GBNF-like, with a `root` rule).
+    object), `regex`, `choice` (one of these strings, verbatim), `grammar` (xgrammar's EBNF,
+    GBNF-like, with a `root` rule) or `structural_tag` (xgrammar's structural tag, dict or
+    string: `{"type": "structural_tag", "format": {...}}`, text with tagged regions such as tool
+    calls; see `_check_structural_tag` for the formats taken).
 
     JSON comes out on one line with `", "` and `": "` separators, and only the properties a
     schema lists unless it says `additionalProperties` (what OpenAI's strict mode does): a
@@ -109,25 +111,26 @@ class StructuredOutput:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
     source: str = field(init=False, repr=False, compare=False, default="")  # what the backend compiles
     small: bool = field(init=False, repr=False, compare=False, default=False)  # cheap to compile (limits.py)
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in _KINDS if getattr(self, name) is not None]
         if self.json_object is True:
             given.append("json_object")
         elif self.json_object is not False:
             raise ValueError(f"structured output: json_object must be a bool, got {self.json_object!r}")
         if len(given) != 1:
-            raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {', '.join(given) or 'none'}")
         source, small = getattr(self, f"_check_{given[0]}")()
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "small", small)
 
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in _KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -178,6 +181,88 @@ class StructuredOutput:
             raise ValueError(f"structured output: grammar must be a non-empty EBNF string, got {self.grammar!r}")
         small = limits.check_grammar(self.grammar)
         return _parsed(self.grammar, "grammar", lambda xgr: xgr.Grammar.from_ebnf(self.grammar)), small
+
+    def _check_structural_tag(self) -> tuple[str, bool]:
+        """The tag's grammar as EBNF (compiled like `grammar=`). Every JSON schema in it is
+        checked and compiled as `json=` is (limits, enforceable keywords, compact JSON), every
+        regex and grammar as theirs are, and the whole document is bounded like a schema.
+        Formats taken: const_string, json_schema (style "json"), any_text, regex, grammar
+        (EBNF), sequence, or, tag (string begin), triggered_tags, tags_with_separator,
+        optional, plus, star and repeat; a field xgrammar does not define is refused."""
+        tag = self.structural_tag
+        if isinstance(tag, str):
+            try:
+                tag = limits.parse_schema_text(tag)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("the JSON schema", "the structural tag")) from None
+        if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or set(tag) != {"type", "format"}:
+            raise ValueError('structured output: a structural tag must be {"type": "structural_tag", "format": {...}}')
+        smalls = [limits.check_schema(tag)]  # nesting and size of the whole document, its schemas included
+        doc = {"type": "structural_tag", "format": _tag_format(tag["format"], "format", smalls)}
+        xgr = xgrammar()
+        try:
+            source = str(xgr.Grammar.from_structural_tag(json.dumps(doc, ensure_ascii=False)))
+            xgr.Grammar.from_ebnf(source)  # what the compiler will parse
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"structured output: invalid structural tag: {backend_error(exc)}") from None
+        return source, all(smalls)
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
+@functools.cache
+def _tag_formats() -> dict[str, type]:
+    from xgrammar import structural_tag as st
+
+    return {m.model_fields["type"].default: m for m in (
+        st.ConstStringFormat, st.JSONSchemaFormat, st.AnyTextFormat, st.RegexFormat, st.GrammarFormat,
+        st.SequenceFormat, st.OrFormat, st.TagFormat, st.TriggeredTagsFormat, st.TagsWithSeparatorFormat,
+        st.OptionalFormat, st.PlusFormat, st.StarFormat, st.RepeatFormat)}
+
+
+def _tag_format(node: Any, at: str, smalls: list[bool]) -> dict:
+    """One structural-tag format as the backend takes it: schemas turned into our JSON grammar,
+    contents converted below it (nesting is bounded by `limits.check_schema` first)."""
+    kind = node.get("type") if isinstance(node, dict) else None
+    model = _tag_formats().get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ValueError(f"structured output: unsupported structural tag format {kind!r} at {at}; supported: "
+                         f"{', '.join(sorted(_tag_formats()))}")
+    unknown = sorted(set(node) - set(model.model_fields))
+    if unknown:
+        raise ValueError(f"structured output: unknown field {unknown[0]!r} of the {kind} format at {at}")
+    out = dict(node)
+    if kind == "json_schema":
+        schema = node.get("json_schema")
+        if not isinstance(schema, dict) or node.get("style", "json") != "json" or set(node) - {"type", "json_schema",
+                                                                                                "style"}:
+            raise ValueError(f"structured output: the json_schema format at {at} takes a schema object (style "
+                             "'json', no other options)")
+        source = json.dumps(enforceable(schema, f"{at}/json_schema"), ensure_ascii=False, allow_nan=False)
+        smalls.append(limits.check_schema(schema))
+        try:
+            return {"type": "grammar", "grammar": str(json_schema_grammar(source))}
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"structured output: invalid JSON schema at {at}: {backend_error(exc)}") from None
+    if kind == "regex" and isinstance(node.get("pattern"), str):
+        smalls.append(limits.check_regex(node["pattern"], f"the regex at {at}"))
+    elif kind == "grammar":
+        if node.get("syntax", "ebnf") != "ebnf" or not isinstance(node.get("grammar"), str):
+            raise ValueError(f"structured output: the grammar format at {at} takes an EBNF string")
+        smalls.append(limits.check_grammar(node["grammar"]))
+    elif kind == "tag" and not isinstance(node.get("begin"), str):
+        raise ValueError(f"structured output: the tag at {at} must begin with a string")
+    elif kind == "repeat" and not (isinstance(node.get("max"), int) and 0 <= node["max"] <= limits.MAX_REPEAT):
+        raise ValueError(f"structured output: the repeat at {at} needs a max of 0 to {limits.MAX_REPEAT}")
+    if "content" in node:
+        out["content"] = _tag_format(node["content"], f"{at}/content", smalls)
+    for key in ("elements", "tags"):
+        if key in node:
+            if not isinstance(node[key], list) or not node[key]:
+                raise ValueError(f"structured output: {key!r} at {at} must be a non-empty list of formats")
+            out[key] = [_tag_format(sub, f"{at}/{key}/{i}", smalls) for i, sub in enumerate(node[key])]
+    return out
 
 
 def _parsed(source: str, what: str, parse) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .argmax import argmax_rows
+from ..cpu.ops import argmax_rows
 from .sampler import SampleRequest, SampleResult, Sampler, _dev, _finite_at, warp
 
 

@@ -77,7 +77,7 @@ class Scheduler:
         self.restores = 0
         # In-burst prefix dedup: a new request whose next uncached prompt block is being
         # computed right now by another request waits for it instead of computing it again.
-        self.hold_shared_prefixes = hold_shared_prefixes and block_manager.enable_prefix_sharing
+        self.hold_shared_prefixes = hold_shared_prefixes and block_manager.allow_block_sharing
         self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes
         self.held_for_prefix = 0  # steps whose admissions stopped at a request waiting for its prefix
 

@@ -10,6 +10,8 @@
     async_engine.py engine thread -> asyncio: per-request queues, cancellation
     responses.py    JSON bodies and SSE streams (ResponseWriter), client disconnects
     formatting.py   OpenAI response shapes: choices, chunks, logprobs, usage
+    tools/          tool calling: call formats, grammars, parsing, prompt rendering
+    responses_api/  the Responses API: /v1/responses, its store, objects and events
     metrics.py      Prometheus metrics, vLLM's names with a contbatch: prefix
     stats.py        the dashboard's JSON (GET /stats): engine history, recent requests
     ui.py           the playground (GET /) and dashboard pages, from static/

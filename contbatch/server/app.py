@@ -28,6 +28,7 @@ from .responses import Job, ResponseWriter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .params import Limits
 from .preparation import Preparer
+from .responses_api import ResponseStore, add_responses_routes
 from .settings import ServerSettings
 from .stats import EngineStats
 from .ui import add_ui_routes
@@ -71,6 +72,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     app.state.settings = settings
     app.state.max_body_bytes = body_limit
     app.state.workers = pool
+    app.state.tool_call_parser = f"{preparer.toolbox.fmt.name} ({preparer.toolbox.reason})"
 
     async def body(request: Request) -> bytes:
         return await read_body(request, body_limit, settings.body_timeout_s)
@@ -139,7 +141,10 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
             return Response(status_code=499)
         sub = engine.submit([work.prompts[0].token_ids], work.params, req.stream, "chatcmpl")
         job = Job(chat=True, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n, logprobs=req.logprobs,
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage), tools=work.tools)
         return await writer.respond(job, request, req.stream)
 
+    add_responses_routes(app, pool=pool, preparer=preparer, engine=engine, writer=writer, metrics=metrics,
+                         store=ResponseStore(settings.responses_store_size, settings.responses_store_bytes),
+                         model=settings.model_name, body=body)  # POST /v1/responses, GET/DELETE /v1/responses/{id}
     return app

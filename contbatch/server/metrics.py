@@ -122,6 +122,18 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS.values():  # present from the start, at 0
             self._success.labels(model_name, reason)
+        self.tool_calls = Counter("contbatch:tool_calls", "Tool calls returned (chat completions and Responses).",
+                                  labels, registry=r).labels(model_name)
+        self.tool_call_failures = Counter(
+            "contbatch:tool_call_parse_failures",
+            "Tool calls that did not parse (returned as content) or were cut off by the token limit.",
+            labels, registry=r).labels(model_name)
+        self._responses = Counter("contbatch:responses_requests", "POST /v1/responses requests accepted, by stream.",
+                                  labels + ["stream"], registry=r)
+        for stream in ("true", "false"):
+            self._responses.labels(model_name, stream)
+        self._stored = Gauge("contbatch:responses_stored", "Responses held by the in-memory response store.",
+                             labels, registry=r).labels(model_name)
         inflight_gauge = Gauge("contbatch:num_http_requests_in_flight",
                                "HTTP requests being served (what a graceful shutdown waits for).", labels, registry=r)
         inflight_gauge.labels(model_name).set_function(lambda: float(inflight()))
@@ -132,6 +144,17 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, e2e))
         self.req_prompt.observe(prompt_tokens)
         self.req_gen.observe(generated)
+
+    def tool_calls_returned(self, calls: int, failures: int) -> None:
+        self.tool_calls.inc(calls)
+        self.tool_call_failures.inc(failures)
+
+    def response_accepted(self, stream: bool) -> None:
+        self._responses.labels(self.model_name, "true" if stream else "false").inc()
+
+    def count_stored(self, count: Callable[[], int]) -> None:
+        """`count()` is read at scrape time as `contbatch:responses_stored`."""
+        self._stored.set_function(lambda: float(count()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,7 @@ body would stall every other client. Failures are `APIError`s, raised into the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import pydantic_core
@@ -16,15 +16,18 @@ from pydantic import BaseModel, ValidationError
 from ..sampling.params import SamplingParams
 from .errors import APIError, bad_request, describe_validation_error
 from .params import Limits, max_new_tokens, sampling_params, structured_output
-from .prompts import Prompt, chat_prompt, completion_prompts, decode
+from .prompts import Prompt, chat_prompt, completion_prompts, decode, message_dicts
 from .schemas import (
     ChatCompletionRequest,
+    ChatTool,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from .settings import ServerSettings
+from .tools import FunctionTool, ToolContext, Toolbox, ToolRequest, tool_request
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,12 +39,24 @@ class Prepared:
     req: CompletionRequest | ChatCompletionRequest
     prompts: list[Prompt]
     params: list[SamplingParams]
+    tools: ToolContext | None = None  # the output is read for these tools' calls
 
     @property
     def structured_param(self) -> str:
         """The field a structured-output error names."""
+        if self.tools is not None:
+            return "tools"
         fmt = self.req.response_format
         return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
+def chat_tools(tools: list[ChatTool] | None, choice, parallel: bool | None) -> ToolRequest | None:
+    """Chat completions' `tools`, `tool_choice` and `parallel_tool_calls`, checked."""
+    functions = [FunctionTool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+                 for t in tools or ()]
+    if isinstance(choice, NamedToolChoice):
+        return tool_request(functions, "named", choice.function.name, parallel)
+    return tool_request(functions, choice, None, parallel)
 
 
 def parse_body(body: bytes, model: type[M]) -> M:
@@ -61,6 +76,26 @@ class Preparer:
         self.tokenizer = tokenizer
         self.limits = limits
         self.settings = settings
+        self.toolbox = Toolbox(tokenizer, settings.tool_call_parser)
+
+    def conversation(self, rows: list[dict], tools: ToolRequest | None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, add_special_tokens: bool = False) -> Prompt:
+        """The prompt of a conversation (`prompts.message_dicts` rows) with its tools."""
+        escape = self.settings.escape_special_tokens
+        rows, template_tools = self.toolbox.prompt(rows, tools, escape)
+        return chat_prompt(self.tokenizer, rows, add_generation_prompt, continue_final_message, add_special_tokens,
+                           escape, template_tools)
+
+    def with_tools(self, params: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
+        """`params` with the tools' grammar in place of (or around) the structured output, and
+        special tokens kept in the text when the call format is written with one."""
+        if tools is None:
+            return params
+        constraint = self.toolbox.constraint(tools, params.structured_output)
+        context = self.toolbox.context(tools)
+        keep = context is not None and not context.fmt.skip_special_tokens
+        return replace(params, structured_output=constraint,
+                       skip_special_tokens=params.skip_special_tokens and not keep)
 
     def validate(self, body: bytes, model: type[M]) -> M:
         """The body as `model`, or a 400 saying what is wrong (pydantic's JSON parser also
@@ -98,14 +133,15 @@ class Preparer:
         req = self.validate(body, ChatCompletionRequest)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt = chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                             escape_special_tokens=self.settings.escape_special_tokens)
+        tools = chat_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        prompt = self.conversation(message_dicts(req.messages), tools, req.add_generation_prompt,
+                                   req.continue_final_message)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = max_new_tokens(requested, None, len(prompt.token_ids), self.limits, param, "messages")
         params = sampling_params(req, self.limits, budget, req.logprobs, req.top_logprobs or 0, self.settings.max_n,
                                  structured_output(req))
-        return Prepared(req, [prompt], [params])
+        return Prepared(req, [prompt], [self.with_tools(params, tools)], self.toolbox.context(tools))
 
     def tokenize(self, body: bytes) -> dict:
         """vLLM's two forms: {"prompt": ...} or {"messages": [...]}."""
@@ -115,8 +151,9 @@ class Preparer:
             chat = False  # not JSON: the schema below says what is wrong
         req = self.validate(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         if isinstance(req, TokenizeChatRequest):
-            ids = chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                              req.add_special_tokens, self.settings.escape_special_tokens).token_ids
+            ids = self.conversation(message_dicts(req.messages), chat_tools(req.tools, None, None),
+                                    req.add_generation_prompt, req.continue_final_message,
+                                    req.add_special_tokens).token_ids
         else:
             ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         out = {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}

@@ -58,21 +58,38 @@ def completion_prompts(tokenizer, prompt, add_special_tokens: bool) -> list[Prom
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template expects them; text parts are joined by newlines, as in
-    vLLM; `developer` is OpenAI's newer name for `system`."""
+    vLLM; `developer` is OpenAI's newer name for `system`. An assistant's calls are kept under
+    `tool_calls` (arguments as the JSON text they came as), a tool result has its `tool_call_id`
+    and the `name` of the function it answers (when an earlier call in the conversation has that
+    id): `tools.rendering` turns them into what the chat template takes."""
     rows = []
+    names: dict[str, str] = {}
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        if m.content is None:
+            content = None
+        else:
+            content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
         row = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             row["name"] = m.name
+        if m.tool_calls:
+            row["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+            names.update((c.id, c.function.name) for c in m.tool_calls)
+        if m.tool_call_id is not None:
+            row["tool_call_id"] = m.tool_call_id
+            if m.name is None and m.tool_call_id in names:
+                row["name"] = names[m.tool_call_id]
         rows.append(row)
     return rows
 
 
 def chat_prompt(
-    tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-    add_special_tokens: bool = False, escape_special_tokens: bool = False,
+    tokenizer, rows: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+    add_special_tokens: bool = False, escape_special_tokens: bool = False, tools: list[dict] | None = None,
 ) -> Prompt:
+    """The prompt of a conversation (`message_dicts` rows), with `tools` for the template."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
     if continue_final_message:
@@ -80,15 +97,15 @@ def chat_prompt(
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
             )
-        if messages[-1].role != "assistant":
+        if rows[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
-    rows = message_dicts(messages)
     if escape_special_tokens:
-        return _escaped_chat_prompt(tokenizer, rows, add_generation_prompt, continue_final_message, add_special_tokens)
+        return _escaped_chat_prompt(tokenizer, rows, add_generation_prompt, continue_final_message, add_special_tokens,
+                                    tools)
     try:
         text = tokenizer.apply_chat_template(
             rows, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=False,
+            tokenize=False, tools=tools,
         )
     except Exception as exc:  # the template itself rejected the conversation (role order, ...)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
@@ -100,7 +117,8 @@ def chat_prompt(
 
 
 def _escaped_chat_prompt(
-    tokenizer, rows: list[dict], add_generation_prompt: bool, continue_final_message: bool, add_special_tokens: bool
+    tokenizer, rows: list[dict], add_generation_prompt: bool, continue_final_message: bool, add_special_tokens: bool,
+    tools: list[dict] | None,
 ) -> Prompt:
     """The chat's token ids with the clients' strings tokenized as plain text."""
     if add_special_tokens:
@@ -109,7 +127,7 @@ def _escaped_chat_prompt(
     try:
         ids = tokenizer.apply_chat_template(
             rows, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=True, return_dict=False, sanitize_control_tokens=True,
+            tokenize=True, return_dict=False, sanitize_control_tokens=True, tools=tools,
         )
     except Exception as exc:  # the template rejected the conversation, or rewrote text it cannot escape
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc

@@ -7,6 +7,10 @@ parameters, context, queue full) still gets its proper status code. After that:
 - streaming: each engine output becomes at most one chunk per choice; if the client goes
   away, Starlette cancels the generator and its `finally` cancels the engine requests.
 
+A chat request with tools has its output read for calls (`tools/stream.py`): `content` and
+`tool_calls` in a body, `finish_reason` "tool_calls" when it ended with calls; streamed, text
+and each call's start and argument fragments as deltas (one chunk each), as they are read.
+
 Bodies and chunks are encoded strictly (`formatting.dumps`): a NaN becomes an OpenAI-shaped
 500, or in a stream an error event before `[DONE]`, never invalid JSON.
 """
@@ -36,6 +40,8 @@ from .formatting import (
     usage,
 )
 from .prompts import Prompt
+from .tools import ToolContext
+from .tools.stream import CallArgs, CallStart, Text, ToolCall, parse_output
 
 logger = logging.getLogger("contbatch.server")
 
@@ -52,6 +58,7 @@ class Job:
     logprobs: bool  # completions: logprobs is not None; chat: logprobs is true (the k comes with the outputs)
     echo: bool = False
     include_usage: bool = False
+    tools: ToolContext | None = None  # chat: the output is read for these tools' calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -80,12 +87,12 @@ class ResponseWriter:
                 self._stream(job), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        finals = await self._collect(job, request)
+        finals = await self.collect(job, request)
         if finals is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         failed = next((o for o in finals.values() if o.status == RequestStatus.FAILED), None)
         if failed is not None:
-            raise self._failure(failed)
+            raise self.failure(failed)
         try:
             content = dumps(self._body(job, finals))
         except NonFiniteNumber as exc:
@@ -93,7 +100,9 @@ class ResponseWriter:
         return Response(content, media_type="application/json")
 
     # -- non-streaming -------------------------------------------------------------------
-    async def _collect(self, job: Job, request: Request) -> dict[tuple[int, int], GenerationOutput] | None:
+    async def collect(self, job: Job, request: Request) -> dict[tuple[int, int], GenerationOutput] | None:
+        """Every final output, keyed (prompt index, sample index); None if the client went away
+        first (its requests are cancelled)."""
         finals: dict[tuple[int, int], GenerationOutput] = {}
 
         async def gather() -> None:
@@ -123,8 +132,16 @@ class ResponseWriter:
             if job.chat:
                 lp = chat_logprobs(self.text_of, out.generated_tokens, out.logprobs or [], out.top_logprobs) \
                     if job.logprobs else None
-                choices.append({"index": index, "message": {"role": "assistant", "content": out.text or ""},
-                                "logprobs": lp, "finish_reason": reason})
+                message = {"role": "assistant", "content": out.text or ""}
+                if job.tools is not None:
+                    content, calls, failures = parse_output(job.tools.fmt, job.tools.names, out.text or "", job.id,
+                                                            job.tools.end_tokens)
+                    self._count_calls(len(calls), failures)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call_dict(c) for c in calls]
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 echo = job.echo_text(p)
                 lp = completion_logprobs(self.text_of, out.generated_tokens, out.logprobs or [], out.top_logprobs,
@@ -140,7 +157,15 @@ class ResponseWriter:
     def _usage(self, job: Job, generated: int) -> dict:
         return usage(sum(len(p.token_ids) for p in job.prompts), generated, sum(job.sub.cached_tokens))
 
-    def _failure(self, out: GenerationOutput) -> APIError:
+    def _count_calls(self, calls: int, failures: int) -> None:
+        metrics = self.engine.metrics
+        if metrics is not None:
+            metrics.tool_calls_returned(calls, failures)
+
+    def non_finite(self, job: Job, exc: NonFiniteNumber) -> APIError:
+        return _non_finite(job, exc)
+
+    def failure(self, out: GenerationOutput) -> APIError:
         if self._draining():
             return APIError(503, f"the server is shutting down: {out.error}", code="server_shutting_down")
         return APIError(500, f"generation failed: {out.error}", code="generation_failed")
@@ -152,6 +177,7 @@ class ResponseWriter:
         generated = 0
         started: set[int] = set()  # choices that sent their echo
         offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
+        parsers = {}  # chat with tools: each choice's tool-call parser
 
         def chunk(choice: dict) -> str:
             return sse({"id": job.id, "object": chunk_object, "created": job.created, "model": job.model,
@@ -164,7 +190,7 @@ class ResponseWriter:
                                  "finish_reason": None})
             async for p, out in job.sub.outputs():
                 if out.status == RequestStatus.FAILED:
-                    yield sse(self._failure(out).body())
+                    yield sse(self.failure(out).body())
                     break
                 index = p * job.n + out.index
                 k = len(out.new_tokens)
@@ -184,6 +210,18 @@ class ResponseWriter:
                         lp = completion_logprobs(self.text_of, out.new_tokens, chosen, top, offsets[index])
                         offsets[index] += sum(len(t) for t in lp["tokens"])
                 reason = finish_reason(out.finish_reason) if out.is_finished else None
+                if job.chat and job.tools is not None:
+                    parser = parsers.setdefault(index, job.tools.stream(job.id))
+                    deltas = chat_deltas(parser.feed(text, out.is_finished))
+                    if out.is_finished:
+                        self._count_calls(len(parser.calls), parser.failures)
+                        reason = "tool_calls" if parser.calls and reason == "stop" else reason
+                    if not deltas and (lp is not None or reason is not None):
+                        deltas = [{}]
+                    for j, delta in enumerate(deltas):
+                        yield chunk({"index": index, "delta": delta, "logprobs": lp if j == 0 else None,
+                                     "finish_reason": reason if j == len(deltas) - 1 else None})
+                    continue
                 if not text and lp is None and reason is None:
                     continue  # text held back (a split character, a possible stop string)
                 if job.chat:
@@ -202,6 +240,34 @@ class ResponseWriter:
         finally:  # finished, failed, or the client went away (Starlette cancels us)
             if not job.sub.done:
                 self.engine.cancel(job.sub)
+
+
+def call_dict(call: ToolCall) -> dict:
+    """A tool call in a chat message."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_deltas(events: list) -> list[dict]:
+    """Parser events as chat stream deltas: text as `content`, a call's start (index, id, name)
+    and each fragment of its arguments as `tool_calls` entries, as the `openai` client assembles
+    them."""
+    deltas: list[dict] = []
+    for event in events:
+        if isinstance(event, Text):
+            if deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += event.text
+            else:
+                deltas.append({"content": event.text})
+        elif isinstance(event, CallStart):
+            deltas.append({"tool_calls": [{"index": event.index, "id": event.call.id, "type": "function",
+                                           "function": {"name": event.call.name, "arguments": ""}}]})
+        elif isinstance(event, CallArgs):
+            last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+            if last is not None and last["index"] == event.index and "id" not in last:
+                last["function"]["arguments"] += event.delta
+            else:
+                deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.delta}}]})
+    return deltas
 
 
 def _non_finite(job: Job, exc: NonFiniteNumber) -> APIError:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, as strict pydantic models.
 
-Every model forbids unknown fields: a parameter this server would not honour (tools, best_of
-above n, ...) is rejected with a 400 naming it, never silently ignored. Fields that
+Every model forbids unknown fields: a parameter this server would not honour (best_of above n,
+`functions`, ...) is rejected with a 400 naming it, never silently ignored. Fields that
 change nothing about generation (`user`, `metadata`, `store`, ...) are accepted, as OpenAI's
 own clients send them. Values are strict (no "1.0" strings for numbers) and finite.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20  # the engine's top_logprobs limit
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -110,10 +110,75 @@ class TextPart(Strict):
     text: str
 
 
+MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(Strict):
+    """A function the model may call; `parameters` is a JSON schema of its arguments (an object).
+    `strict: false` constrains the arguments to any JSON object instead of the schema."""
+
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message of a conversation. An assistant message may carry `tool_calls` (its content
+    may then be null); a `tool` message answers the call named by `tool_call_id`. `refusal`,
+    `annotations`, `audio` and `function_call` are what the `openai` client sends back when an
+    assistant message it received is appended to the next request's messages: accepted, unused."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id belongs on a message with role 'tool', not {self.role!r}")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong on an assistant message, not one with role {self.role!r}")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            raise ValueError(f"a message with role {self.role!r} needs content (only an assistant message with "
+                             "tool_calls may leave it null)")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,7 +187,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    parallel_tool_calls: bool | None = None  # harmless without tools, which are rejected
+    tools: list[ChatTool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -137,6 +204,7 @@ class TokenizeCompletionRequest(Strict):
 class TokenizeChatRequest(Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)  # rendered as a chat request's
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -43,6 +43,9 @@ class ServerSettings:
     max_queued_jobs: int = 64  # requests waiting for a worker; more get 503
     escape_special_tokens: bool = False  # chat content: special tokens typed by clients stay text
     weights_dir: str | None = None  # /update_weights_from_disk reads safetensors files under it only
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: read from the chat template
+    responses_store_size: int = 1024  # responses kept for previous_response_id and GET /v1/responses/{id}
+    responses_store_bytes: int = 64 * 2**20  # and the bytes they may take together
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -58,6 +61,11 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1, got {self.worker_threads}")
+        if self.tool_call_parser not in (None, "auto", "hermes", "llama3_json", "mistral"):
+            raise ValueError("tool_call_parser must be auto, hermes, llama3_json or mistral, "
+                             f"got {self.tool_call_parser!r}")
+        if self.responses_store_size < 0 or self.responses_store_bytes < 0:
+            raise ValueError("responses_store_size and responses_store_bytes must be >= 0")
         if self.max_queued_jobs < 0:
             raise ValueError(f"max_queued_jobs must be >= 0, got {self.max_queued_jobs}")
 

@@ -5,7 +5,7 @@ propose and how many tokens (eligibility, budgets, adaptive back-off); the accep
 is the sampler's (`sampling/verify.py`).
 """
 
-from .config import SpeculativeConfig
+from ..config import SpeculativeConfig
 from .speculator import Speculator
 
 __all__ = ["SpeculativeConfig", "Speculator"]

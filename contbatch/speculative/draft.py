@@ -13,26 +13,25 @@ requests not proposing now, then skips proposals that still do not fit: never an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
 import torch
 
-from ..attention.kernels import load_backend
+from ..attention.select import load_backend
 from ..attention.paged import attach, detach, is_attached
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
-from ..engine.buckets import Bucketing
-from ..engine.cpu_linear import plan_linear
-from ..engine.cpu_norm import plan_norm
-from ..engine.cpu_rotary import plan_rotary
-from ..engine.cpu_routers import CpuRouters
-from ..engine.step_batch import build_step_batch
-from ..engine.step_runner import StepRunner
+from ..cpu.plan import plan_cpu
+from ..cpu.routers import CpuRouters
+from ..runtime.buckets import Bucketing
+from ..runtime.step_batch import build_step_batch
+from ..runtime.step_runner import StepRunner
 from ..requests import RequestState, RequestStatus
 from ..sampling.params import SamplingParams
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
-from .config import SpeculativeConfig
+from ..config import SpeculativeConfig
 
 logger = logging.getLogger("contbatch")
 
@@ -46,7 +45,7 @@ def load_draft(spec, target: torch.nn.Module) -> torch.nn.Module:
     if isinstance(spec, torch.nn.Module):
         draft = spec
     else:
-        from ..models import load_model
+        from ..setup.loading import load_model
 
         draft, _ = load_model(spec, dtype=param.dtype, device=str(param.device))
     draft = draft.to(device=param.device, dtype=param.dtype).eval()
@@ -59,17 +58,16 @@ def load_draft(spec, target: torch.nn.Module) -> torch.nn.Module:
 
 
 def _cpu_routers(draft: torch.nn.Module, r) -> CpuRouters:
-    """The target's CPU kernel choices (linear kernel, fused norm and rotary) made for the
-    draft's own layers: its forwards are engine steps like the target's. Shapes the target
-    shares were probed already; the plans are logged once."""
-    if torch.device(r.device).type != "cpu" or r.cpu_linear is None:
-        return CpuRouters(draft, None, None, None)
-    linear = plan_linear(draft, r.cpu_linear.kernel, r.cpu_linear.prepack)
-    norm = plan_norm(draft, r.cpu_rms_norm.kernel) if r.cpu_rms_norm is not None else None
-    rotary = plan_rotary(draft, r.cpu_rotary.kernel) if r.cpu_rotary is not None else None
-    logger.info("contbatch: draft model cpu_linear: %s; cpu_rms_norm: %s; cpu_rotary: %s", linear.summary,
-                norm.summary if norm else "off", rotary.summary if rotary else "off")
-    return CpuRouters(draft, linear, norm, rotary)
+    """The target's CPU kernel choices (linear kernel and prepacking as in force for the
+    target, fused norm and rotary) planned for the draft's own layers: its forwards are engine
+    steps like the target's. Its decoder layers keep their own forward. Shapes the target
+    shares were probed already; the plan is logged once."""
+    if torch.device(r.device).type != "cpu" or r.cpu is None:
+        return CpuRouters(draft, None)
+    knobs = dataclasses.replace(r.cpu.knobs, linear_prepack=r.cpu.linear.prepack)
+    plan = plan_cpu(draft, knobs, prefill=r.cpu.prefill, layers=False)
+    logger.info("contbatch: draft model %s", plan.describe(prefill=False))
+    return CpuRouters(draft, plan)
 
 
 class DraftProposer:
@@ -79,7 +77,8 @@ class DraftProposer:
         self.layout = KVLayout.from_model_config(self.model.config, next(self.model.parameters()).dtype)
         self.cache = PagedAttentionCache(self.layout, r.num_blocks, r.block_size, r.device, False, "lru",
                                          token_major=r.kv_layout == "token-major")
-        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size, r.cpu_prefill_kernel)
+        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size,
+                               bool(r.cpu and r.cpu.prefill))
         bucketing = Bucketing(r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
                               backend.max_varlen_tiles, backend.kv_keyed, fast_decode=backend.fast_decode)
         self.runner = StepRunner(self.model, self.cache, backend, bucketing, r.max_batch_tokens,

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..requests import RequestState, RequestStatus
-from .config import SpeculativeConfig
+from ..config import SpeculativeConfig
 from .ngram import propose_ngram
 
 FIRST_PAUSE = 8

@@ -1,0 +1,274 @@
+// A Llama-family decoder layer as one call: a step's whole layer without Python.
+//
+// In eager mode a decoder layer of the default model is ~12 module calls and ~40 small op
+// calls, each through Python (docs/cpu.md says what they cost). Here the layer calls the same
+// kernels in the same order with the same arguments as the Python path does (our RMSNorm,
+// linear, rotary, K/V write and decode attention ops, aten's add, silu and mul), so its output
+// is bit-identical; the engine checks that at run time, once per layer variant and kind of
+// step (cpu/routers/layer.py).
+//
+// `decoder_stack` runs one or more consecutive layers of a step in one call
+// (cpu/routers/fused_layer.py: one while a kind of step is checked, then every layer of the
+// model), layer after layer.
+//
+// Layout of the arguments (cpu/routers/fused_layer.py builds them), each list one layer after the other:
+//   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
+//   biases, packed: one per linear (q, k, v, o, gate, up, down), None where it has none
+//   codes: the linears' routes, three kernel codes each (small_linear_cpu.cpp's routed_linear)
+//   eps: the norms' epsilons, in the weights' order
+//   key_caches, value_caches, scales, windows: one per layer
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2 };
+enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
+constexpr int64_t kLinears = 7;
+constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
+
+c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op =
+      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), weight, eps);
+}
+
+// One layer's arguments, views into the call's lists (decoder_stack passes every layer's).
+struct Layer {
+  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in the order of the header
+  const std::optional<at::Tensor>* biases;  // one per linear
+  const std::optional<at::Tensor>* packed;  // one per linear
+  at::ArrayRef<int64_t> codes;              // three per linear
+  at::ArrayRef<double> eps;                 // one per norm
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  double scale;
+  int64_t window;
+};
+
+// What every layer of a step shares: its positions, cache slots and attention plan.
+struct Step {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const at::Tensor& slots;
+  const std::optional<at::Tensor>& decode_table;
+  const std::optional<at::Tensor>& decode_kv_lens;
+  const std::optional<at::Tensor>& chunk_table;
+  const std::optional<at::Tensor>& chunk_q_start;
+  const std::optional<at::Tensor>& chunk_q_lens;
+  const std::optional<at::Tensor>& chunk_kv_lens;
+  int64_t block_size;
+  int64_t head_dim;
+};
+
+// One linear as cpu/routers/linear.py's `_routed_forward` runs it: the route's kernel for this
+// row count, oneDNN on the prepacked weight for more than one row where there is one.
+at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer) {
+  static const auto small =
+      find("contbatch_cpu::small_linear")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  static const auto pointwise =
+      find("mkldnn::_linear_pointwise")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                            c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
+  const at::Tensor& weight = layer.weights[kWeightOf[index]];
+  const std::optional<at::Tensor>& bias = layer.biases[index];
+  const int64_t rows = x.numel() / x.size(-1);
+  const int64_t kernel = layer.codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
+  if (kernel == kNative) return small.call(x, weight, bias);
+  if (kernel == kOneDnn) {
+    const std::optional<at::Tensor>& blocked = layer.packed[index];
+    const at::Tensor& w = (rows > 1 && blocked.has_value()) ? *blocked : weight;
+    const at::Tensor y = pointwise.call(x.reshape({-1, x.size(-1)}).contiguous(), w, bias, "none",
+                                        c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = y.size(-1);
+    return y.view(shape);
+  }
+  TORCH_CHECK(kernel == kAten, "decoder_stack: unknown kernel code ", kernel);
+  return at::linear(x, weight, bias);
+}
+
+// Linears of one input (q/k/v; gate/up): in one parallel region where all of them take our
+// few-row kernel at this row count (small_linears: the same outputs bit for bit, one fork and
+// join instead of one per linear), else one by one.
+std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer) {
+  static const auto many =
+      find("contbatch_cpu::small_linears")
+          .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList,
+                                         const c10::List<std::optional<at::Tensor>>&)>();
+  const int64_t rows = x.numel() / x.size(-1);
+  const int64_t regime = rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2;
+  bool native = true;
+  for (const int64_t index : indices) native = native && layer.codes[3 * index + regime] == kNative;
+  std::vector<at::Tensor> out;
+  if (!native) {
+    for (const int64_t index : indices) out.push_back(linear(x, index, layer));
+    return out;
+  }
+  std::vector<at::Tensor> weights;
+  c10::List<std::optional<at::Tensor>> biases;
+  for (const int64_t index : indices) {
+    weights.push_back(layer.weights[kWeightOf[index]]);
+    biases.push_back(layer.biases[index]);
+  }
+  return many.call(x, weights, biases);
+}
+
+// hidden [1, T, hidden]; cos/sin [1, T, D]; key/value_cache one layer's cache as
+// [kv_heads, slots, D]; slots [T] int64. The step's first rows are decode rows (one query
+// token each; decode_table [rows, W], decode_kv_lens [rows] int32), the rest prompt chunks
+// (chunk_table [chunks, W], chunk_q_start / q_lens / kv_lens [chunks] int32), as the torch
+// backend plans them. Returns the layer's output, [1, T, hidden].
+at::Tensor layer_forward(const at::Tensor& hidden, const Layer& layer, const Step& step) {
+  static const auto rotary = find("contbatch_cpu::rotary")
+                                 .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                           const at::Tensor&, const at::Tensor&)>();
+  static const auto kv_write = find("contbatch_cpu::kv_write")
+                                   .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&)>();
+  static const auto decode = find("contbatch_cpu::paged_decode")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                   double, int64_t, double)>();
+  static const auto prefill =
+      find("contbatch_cpu::paged_prefill")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t, double,
+                      const at::Tensor&)>();
+  const bool qk_norm = layer.weights.size() == 11;
+  const at::ArrayRef<at::Tensor> weights = layer.weights;
+  const at::ArrayRef<double> eps = layer.eps;
+  const int64_t tokens = hidden.size(1), head_dim = step.head_dim;
+  const int64_t decode_rows = step.decode_table.has_value() ? step.decode_table->size(0) : 0;
+  const bool chunks = step.chunk_table.has_value();
+
+  // Each half in a scope of its own, so that its intermediates are freed when Python's would be
+  // (a prompt chunk's are megabytes each).
+  at::Tensor mid;
+  {  // Attention, as LlamaAttention.forward and attention/paged.py run it.
+    const at::Tensor h = rms_norm(hidden, weights[kInNorm], eps[0]);
+    const std::vector<at::Tensor> qkv = linears(h, {0, 1, 2}, layer);
+    at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
+    at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
+    const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
+    if (qk_norm) {  // Qwen3: a norm over each head's vector before the rotation
+      q = rms_norm(q, weights[kQNorm], eps[2]);
+      k = rms_norm(k, weights[kKNorm], eps[3]);
+    }
+    auto [q_rot, k_rot] = rotary.call(q.transpose(1, 2), k.transpose(1, 2), step.cos, step.sin);
+    const at::Tensor key = k_rot[0], value = v.transpose(1, 2)[0];  // [kv_heads, T, D]
+    kv_write.call(layer.key_cache, layer.value_cache, step.slots, key.stride(-1) == 1 ? key : key.contiguous(),
+                  value);
+    // attention/torch_backend.py's `attend`: decode rows first, then every prompt chunk in one call.
+    const at::Tensor query = q_rot[0].transpose(0, 1);  // [T, heads, D]
+    const at::Tensor no_sinks = at::empty({0}, query.options().dtype(at::kFloat));
+    at::Tensor attn;
+    if (!chunks) {
+      attn = decode.call(query.contiguous(), layer.key_cache, layer.value_cache, *step.decode_table,
+                         *step.decode_kv_lens, no_sinks, step.block_size, layer.scale, layer.window, 0.0);
+    } else {
+      attn = at::empty(query.sizes(), query.options());
+      if (decode_rows > 0)
+        attn.narrow(0, 0, decode_rows)
+            .copy_(decode.call(query.narrow(0, 0, decode_rows).contiguous(), layer.key_cache, layer.value_cache,
+                               *step.decode_table, *step.decode_kv_lens, no_sinks, step.block_size, layer.scale,
+                               layer.window, 0.0));
+      prefill.call(query.stride(-1) == 1 ? query : query.contiguous(), layer.key_cache, layer.value_cache,
+                   *step.chunk_table, *step.chunk_q_start, *step.chunk_q_lens, *step.chunk_kv_lens, no_sinks,
+                   step.block_size, layer.scale, layer.window, 0.0, attn);
+    }
+    mid = hidden + linear(attn.view({1, tokens, -1}), 3, layer);
+  }
+  at::Tensor product;
+  {  // The MLP, as LlamaMLP.forward runs it: down(silu(gate(x)) * up(x)).
+    const at::Tensor h2 = rms_norm(mid, weights[kPostNorm], eps[1]);
+    const std::vector<at::Tensor> gate_up = linears(h2, {4, 5}, layer);
+    product = at::silu(gate_up[0]) * gate_up[1];
+  }
+  return mid + linear(product, 6, layer);
+}
+
+void check_step(const at::Tensor& hidden, const Step& step) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "decoder_stack: hidden [1, T, hidden]");
+  const int64_t tokens = hidden.size(1);
+  const int64_t decode_rows = step.decode_table.has_value() ? step.decode_table->size(0) : 0;
+  const bool chunks = step.chunk_table.has_value();
+  TORCH_CHECK(chunks == (step.chunk_q_start.has_value() && step.chunk_q_lens.has_value() &&
+                         step.chunk_kv_lens.has_value()),
+              "decoder_stack: a prompt chunk table with its starts, lengths and key counts");
+  TORCH_CHECK(step.slots.size(0) == tokens, "decoder_stack: one slot per token");
+  TORCH_CHECK(step.decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
+              "decoder_stack: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
+}
+
+// Decoder layers of a step, one after the other: what the model's own loop calls layer by layer,
+// without a trip through Python (module call, argument lists) of ~30 us each between them.
+at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases,
+                         const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef codes,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
+                         const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
+                         const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
+                         const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
+                         int64_t block_size, at::ArrayRef<double> scales, at::IntArrayRef windows, int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(scales.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(key_caches.size()) == layers &&
+                  static_cast<int64_t>(value_caches.size()) == layers,
+              "decoder_stack: one scale, window and cache per layer");
+  const int64_t per_layer = static_cast<int64_t>(weights.size()) / layers;
+  const int64_t norms = per_layer == 11 ? 4 : 2;
+  TORCH_CHECK((per_layer == 9 || per_layer == 11) && static_cast<int64_t>(weights.size()) == per_layer * layers,
+              "decoder_stack: 9 or 11 weights per layer");
+  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kLinears * layers &&
+                  static_cast<int64_t>(packed.size()) == kLinears * layers &&
+                  static_cast<int64_t>(codes.size()) == 3 * kLinears * layers &&
+                  static_cast<int64_t>(eps.size()) == norms * layers,
+              "decoder_stack: one bias, packed weight and route per linear, one epsilon per norm");
+  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
+                  chunk_kv_lens, block_size, head_dim};
+  check_step(hidden, step);
+  const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
+  at::Tensor x = hidden;
+  for (int64_t i = 0; i < layers; ++i) {
+    x = layer_forward(x, Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
+                               blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
+                               eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i]},
+                      step);
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
+  m.def(
+      "decoder_stack(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, int[] codes, float[] eps, "
+      "Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slots, "
+      "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
+      "Tensor? chunk_q_lens, Tensor? chunk_kv_lens, int block_size, float[] scales, int[] windows, "
+      "int head_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {
+  m.impl("decoder_stack", decoder_stack);
+}
+
+// oneDNN's prepacked weights (opaque tensors of the MkldnnCPU key) among the arguments send the
+// call here: the same function, which passes them on to oneDNN's linear.
+TORCH_LIBRARY_IMPL(contbatch_cpu, MkldnnCPU, m) {
+  m.impl("decoder_stack", decoder_stack);
+}

@@ -1,0 +1,404 @@
+// Decode attention on the CPU, reading K/V in place through the block tables.
+//
+// One task per (request, KV head): the task loads that head's G grouped query heads once,
+// walks the request's visible keys block by block straight out of the paged cache (no gather
+// into a fresh tensor), and keeps scores, softmax and the weighted sum of values in float32
+// whatever the cache dtype. Tasks are spread over PyTorch's intra-op OpenMP pool, the same
+// pool as the model's other ops. Softmax is two-pass over a per-task score buffer: decode
+// rows have one query each, so that buffer is G x (visible keys) floats.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace contbatch_vec;
+
+// The register tiles' vector: 16 floats with AVX-512, 8 with AVX2 (CONTBATCH_VEC_AVX2, vec.h).
+#if defined(__AVX512F__)
+#define CONTBATCH_AVX512 1
+#define CONTBATCH_TILES 1
+using TileVec = __m512;
+constexpr int kPartVecs = 64;  // 16 keys x up to 4 heads of a tile
+#elif defined(CONTBATCH_VEC_AVX2)
+#define CONTBATCH_TILES 1
+using TileVec = __m256;
+constexpr int kHeads = 4;
+constexpr int kChunk = 8;
+constexpr int kPartVecs = 8 * kHeads;  // 8 keys x up to 4 heads
+#endif
+
+#ifdef CONTBATCH_TILES
+constexpr int kLanes = sizeof(TileVec) / sizeof(float);
+
+// Keys (or values) a request reads are short runs of rows scattered over the cache, too short
+// for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
+constexpr int64_t kAhead = 8;
+template <int C, typename T>  // a row of C vectors
+inline void prefetch_row(const T* row) {
+  for (size_t b = 0; b < C * kLanes * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+#endif
+
+#ifdef CONTBATCH_AVX512
+// Lane i of the result: the sum of the 16 lanes of v[i] (v is overwritten). Pairs of
+// vectors are interleaved and added four times over: 45 instructions for 16 sums.
+inline __m512 sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(v[2 * i]), y = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// Calls fn(j, slot) for the visible keys j = 0 .. n-1 (positions first .. first+n-1) of one
+// request, walking its block table one block at a time (no division per key).
+template <typename Fn>
+inline void for_each_slot(const int32_t* blocks, int64_t block_size, int64_t first, int64_t len, Fn&& fn) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t b = pos / block_size;
+    const int64_t stop = std::min(len, (b + 1) * block_size);
+    const int64_t base = static_cast<int64_t>(blocks[b]) * block_size - b * block_size;
+    for (; pos < stop; ++pos) fn(pos - first, base + pos);
+  }
+}
+
+#ifdef CONTBATCH_AVX512
+// Register tiles for head dims of 32, 64, 128 and 256 (C = dim / 16 vectors a row): GB query
+// heads of one KV head at a time, their queries (scores) or running sums (values) held in
+// registers over all the request's keys.
+template <int C>
+constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
+
+// sc[g * n + j] = q_g . k_j for the tile's GB heads: sixteen keys at a time, each key's
+// products with a head summed into one vector, the sixteen vectors reduced together (sum16):
+// a few instructions a key instead of one horizontal sum per key and head.
+template <int C, int GB, typename T>
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m512* part) {
+  __m512 qv[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      if (jj >= count) {
+        for (int g = 0; g < GB; ++g) part[g * 16 + jj] = _mm512_setzero_ps();
+        continue;
+      }
+      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+      const T* kr = kh + slots[j0 + jj] * k_slot;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        part[g * 16 + jj] = a;
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(sc + g * n + j0, mask, sum16(part + g * 16));
+  }
+}
+
+// acc[g] = sum_j p_gj v_j for the tile's GB heads, sums in registers.
+template <int C, int GB, typename T>
+void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, const float* sc, float* acc) {
+  __m512 a[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
+    const T* vr = vh + slots[j] * v_slot;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * n + j]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+}
+
+// Both passes for one request and KV head over `group` query heads, tile by tile.
+template <int C, typename T>
+void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
+           float* sc, __m512* part) {
+  constexpr int GB = kGroupTile<C>;
+  for (int64_t g0 = 0; g0 < group; g0 += GB) {
+    const int64_t gb = std::min<int64_t>(GB, group - g0);
+    float* rowbuf = qf_or_acc + g0 * C * 16;
+    float* sg = sc + g0 * n;
+#define CONTBATCH_TILE(B)                                                             \
+  if (scores) score_tile<C, B>(kvh, stride, slots, n, rowbuf, sg, part);              \
+  else value_tile<C, B>(kvh, stride, slots, n, sg, rowbuf);
+    switch (gb) {
+      case 1: { CONTBATCH_TILE(1) break; }
+      case 2: { if constexpr (GB >= 2) { CONTBATCH_TILE(2) } break; }
+      case 3: { if constexpr (GB >= 3) { CONTBATCH_TILE(3) } break; }
+      default: { if constexpr (GB >= 4) { CONTBATCH_TILE(4) } break; }
+    }
+#undef CONTBATCH_TILE
+  }
+}
+#endif
+
+#ifdef CONTBATCH_VEC_AVX2
+// The same two passes in AVX2 registers (8 floats, 16 registers), for AVX2-only CPUs:
+// their generic loops ran the decode step's attention 2-3x slower than the AVX-512 tiles on
+// the same core. Per pass: up to kHeads query heads' score sums and a chunk of up to kChunk
+// vectors of the key row in registers (4 + 8 of 16).
+
+// Lane i of the result: the sum of the 8 lanes of v[i].
+inline __m256 sum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// sc[g * n + j] = q_g . k_j for GB heads, eight keys at a time: each key's products with a
+// head summed into one vector, the eight vectors reduced together (sum8).
+template <int C, int GB, typename T>
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m256* part) {
+  constexpr int W = C < kChunk ? C : kChunk;
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    for (int64_t jj = 0; jj < 8; ++jj) {
+      if (jj >= count) {
+        for (int g = 0; g < GB; ++g) part[g * 8 + jj] = _mm256_setzero_ps();
+        continue;
+      }
+      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+      const T* kr = kh + slots[j0 + jj] * k_slot;
+      __m256 a[GB];
+      for (int g = 0; g < GB; ++g) a[g] = _mm256_setzero_ps();
+      for (int c0 = 0; c0 < C; c0 += W) {
+        __m256 kv[W];
+        for (int c = 0; c < W; ++c) kv[c] = load8(kr + (c0 + c) * 8);
+        for (int c = 0; c < W; ++c)
+          for (int g = 0; g < GB; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (g * C + c0 + c) * 8), kv[c], a[g]);
+      }
+      for (int g = 0; g < GB; ++g) part[g * 8 + jj] = a[g];
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m256 sums = sum8(part + g * 8);
+      if (count == 8) {
+        _mm256_storeu_ps(sc + g * n + j0, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        for (int64_t jj = 0; jj < count; ++jj) sc[g * n + j0 + jj] = tmp[jj];
+      }
+    }
+  }
+}
+
+// acc[g] = sum_j p_gj v_j: one head and a chunk of up to kChunk vectors of it at a time, the
+// sums in registers; the request's value rows are read once from memory (the first pass
+// prefetches them) and again from cache by the other heads and chunks.
+template <int C, typename T>
+void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, int64_t group, const float* sc, float* acc) {
+  constexpr int W = C < kChunk ? C : kChunk;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* sg = sc + g * n;
+    for (int c0 = 0; c0 < C; c0 += W) {
+      __m256 a[W];
+      for (int c = 0; c < W; ++c) a[c] = _mm256_setzero_ps();
+      const bool first = g == 0 && c0 == 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (first && j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
+        const T* vr = vh + slots[j] * v_slot + c0 * 8;
+        const __m256 p = _mm256_set1_ps(sg[j]);
+        for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);
+      }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + g * C * 8 + (c0 + c) * 8, a[c]);
+    }
+  }
+}
+
+template <int C, typename T>
+void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
+           float* sc, __m256* part) {
+  if (!scores) {
+    value_tile<C>(kvh, stride, slots, n, group, sc, qf_or_acc);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const float* q = qf_or_acc + g0 * C * 8;
+    float* sg = sc + g0 * n;
+    switch (std::min<int64_t>(kHeads, group - g0)) {
+      case 1: score_tile<C, 1>(kvh, stride, slots, n, q, sg, part); break;
+      case 2: score_tile<C, 2>(kvh, stride, slots, n, q, sg, part); break;
+      case 3: score_tile<C, 3>(kvh, stride, slots, n, q, sg, part); break;
+      default: score_tile<C, 4>(kvh, stride, slots, n, q, sg, part); break;
+    }
+  }
+}
+
+#endif
+
+#ifdef CONTBATCH_TILES
+// Both passes for head dims of 32, 64, 128 and 256 (C = dim / kLanes vectors a row); false
+// for other dims (the caller's generic loops then run).
+template <typename T>
+bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
+               float* qf_or_acc, float* sc, TileVec* part) {
+  switch (dim) {
+    case 32: tiles<32 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 64: tiles<64 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 128: tiles<128 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 256: tiles<256 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    default: return false;
+  }
+}
+#endif
+
+template <typename T>
+void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& block_table,
+            const at::Tensor& kv_lens, const at::Tensor& sinks, at::Tensor& out, int64_t block_size, double scale,
+            int64_t window, double softcap) {
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key.size(0), group = heads / kv_heads;
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const int64_t k_head = key.stride(0), k_slot = key.stride(1);
+  const int64_t v_head = value.stride(0), v_slot = value.stride(1);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_row = block_table.stride(0);
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  const float* sink = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
+  T* o = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // The tiles: float32 and bfloat16 (and float16 with AVX-512); double runs the generic loops.
+#ifdef CONTBATCH_AVX512
+  constexpr bool vectorizable = !std::is_same_v<T, double>;
+#else
+  constexpr bool vectorizable = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+#endif
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * dim), acc(group * dim), inv(group);
+#ifdef CONTBATCH_TILES
+    std::vector<int64_t> slots;
+    std::vector<TileVec> part(kPartVecs);
+#endif
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.resize(group * std::max<int64_t>(n, 1));
+      float* sc = scores.data();
+      const T* qr = q + (r * heads + h * group) * dim;
+      for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(qr[i]);
+      const int32_t* blocks = table + r * table_row;
+      const T* kh = k + h * k_head;
+      const T* vh = v + h * v_head;
+      // Scores: each key row is read once and dotted with the group's query heads.
+      bool tiled = false;
+#ifdef CONTBATCH_TILES
+      if constexpr (vectorizable) {
+        slots.resize(n);
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) { slots[j] = slot; });
+        tiled = run_tiles<T>(true, kh, k_slot, slots.data(), n, group, dim, qf.data(), sc, part.data());
+      }
+#endif
+      if (!tiled) {
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) {
+          const T* kr = kh + slot * k_slot;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * static_cast<float>(kr[d]);
+            sc[g * n + j] = s;
+          }
+        });
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = sc + g * n;
+        float m = sink ? sink[h * group + g] : -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          float s = sg[j] * fscale;
+          if (cap > 0.f) s = std::tanh(s / cap) * cap;
+          sg[j] = s;
+          m = std::max(m, s);
+        }
+        const float sum = exp_shifted(sg, n, m) + (sink ? std::exp(sink[h * group + g] - m) : 0.f);
+        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+      }
+      // Weighted sum of values: each value row is read once, into every group head's sum.
+      std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef CONTBATCH_TILES
+      if constexpr (vectorizable)
+        if (tiled) run_tiles<T>(false, vh, v_slot, slots.data(), n, group, dim, acc.data(), sc, part.data());
+#endif
+      if (!tiled) {
+        for_each_slot(blocks, block_size, first, len, [&](int64_t j, int64_t slot) {
+          const T* vr = vh + slot * v_slot;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = sc[g * n + j];
+            float* ag = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(vr[d]);
+          }
+        });
+      }
+      T* orow = o + (r * heads + h * group) * dim;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d) orow[g * dim + d] = static_cast<T>(acc[g * dim + d] * inv[g]);
+    }
+  });
+}
+
+// query [rows, heads, dim] (contiguous); key/value one layer's cache as [kv_heads, slots, dim]
+// (any strides on the first two, dim contiguous); block_table [rows, width] int32; kv_lens
+// [rows] int32 (keys each row attends to, its own included); sinks [heads] float32 or empty.
+// window <= 0: none; softcap <= 0: none. Returns [rows, heads, dim].
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& sinks,
+                        int64_t block_size, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [rows, heads, dim] tensor");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value must be [kv_heads, slots, dim]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(query.size(1) % key.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && kv_lens.scalar_type() == at::kInt,
+              "block_table and kv_lens must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && kv_lens.is_contiguous(), "block_table rows must be contiguous");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.numel() == query.size(1)),
+              "sinks must be empty or float32 [heads]");
+  auto out = at::empty_like(query);
+  if (query.size(0) == 0) return out;
+  const at::Tensor sinks_c = sinks.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(query, key, value, block_table, kv_lens, sinks_c, out, block_size, scale, window, softcap);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(contbatch_cpu, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor key, Tensor value, Tensor block_table, Tensor kv_lens, Tensor sinks, "
+      "int block_size, float scale, int window, float softcap) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}

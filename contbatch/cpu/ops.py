@@ -1,0 +1,139 @@
+"""Every call into our C++ library (`torch.ops.contbatch_cpu`, built by `native.py`).
+
+Callers import the ops from here, never from `torch.ops`: the contract of each op (shapes,
+dtypes, what it refuses) is written once, beside its wrapper. The library is loaded on the
+first call that needs it; importing this module builds nothing. Every op computes what the
+PyTorch code it replaces computes: bit for bit where its docstring says so, else within the
+rounding of float32 accumulation in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+SMALL_LINEAR_MAX_ROWS = 7  # rows `small_linear` takes; more go to another kernel
+# Kernel codes of `routed_linear` (csrc/small_linear_cpu.cpp), which picks a route's kernel by
+# the row count when it runs, so a compiled step needs one graph for every step size.
+ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2}
+
+_argmax_kernel: bool | None = None  # resolved on the first CPU call
+_fakes_registered: list[bool] = []
+
+
+# -- attention -------------------------------------------------------------------------------
+def load_attention() -> tuple[bool, str]:
+    """(available, how) for the attention kernels; never raises."""
+    ok, how = native.load()
+    return ok, how if ok else f"{how}; decode rows gather K/V instead"
+
+
+def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+                 kv_lens: torch.Tensor, sinks: torch.Tensor | None, block_size: int, scale: float,
+                 window: int | None, softcap: float | None) -> torch.Tensor:
+    """Decode rows' attention, reading K/V in place through the block tables. query [rows, H, D]
+    contiguous; key/value `[H_kv, slots, D]` views of one layer's cache; block_table [rows, W]
+    and kv_lens [rows] int32. Returns [rows, H, D]."""
+    empty = query.new_empty(0, dtype=torch.float32)
+    return torch.ops.contbatch_cpu.paged_decode(
+        query, key, value, block_table, kv_lens, empty if sinks is None else sinks.float(), block_size, scale,
+        window or 0, softcap or 0.0)
+
+
+def paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+                  q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, sinks: torch.Tensor | None,
+                  block_size: int, scale: float, window: int | None, softcap: float | None, out: torch.Tensor) -> None:
+    """Attention for prompt chunks, written into their rows of `out` ([T, H, D], contiguous).
+    query [T, H, D] (rows contiguous); key/value `[H_kv, slots, D]` views of one layer's cache,
+    this step's keys already written; block_table [chunks, W], q_start / q_lens / kv_lens
+    [chunks] int32: each chunk's first row in `query`, its length, and the keys it sees."""
+    empty = query.new_empty(0, dtype=torch.float32)
+    torch.ops.contbatch_cpu.paged_prefill(
+        query, key, value, block_table, q_start, q_lens, kv_lens, empty if sinks is None else sinks.float(),
+        block_size, scale, window or 0, softcap or 0.0, out)
+
+
+# -- the KV cache ----------------------------------------------------------------------------
+def kv_write_available() -> bool:
+    return native.load()[0] and hasattr(torch.ops.contbatch_cpu, "kv_write")
+
+
+def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """A step's new K/V (`[H_kv, T, D]`, last dim contiguous) into one layer's cache views
+    (`[H_kv, slots, D]`) at `slots` (int64), without reading the lines they overwrite."""
+    torch.ops.contbatch_cpu.kv_write(key_cache, value_cache, slots, key, value)
+
+
+# -- linear layers ---------------------------------------------------------------------------
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` for 1 to SMALL_LINEAR_MAX_ROWS rows of float32 or bfloat16 ([..., in] -> [..., out]),
+    float32 accumulation; other row counts and dtypes raise."""
+    return torch.ops.contbatch_cpu.small_linear(x, weight, bias)
+
+
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  codes: tuple[int, int, int]) -> torch.Tensor:
+    """`F.linear` on the kernel `codes` (ROUTED_CODES) names for one row, 2 to SMALL_LINEAR_MAX_ROWS
+    rows and more, chosen by the row count when it runs; bit for bit that kernel's result."""
+    return torch.ops.contbatch_cpu.routed_linear(x, weight, bias, *codes)
+
+
+def register_linear_fakes() -> None:
+    """Shapes of `small_linear` and `routed_linear` for Dynamo, so a compiled step calls them
+    directly (extern kernels in Inductor's output). Needs the library loaded; once per process."""
+    if not _fakes_registered:
+        fake = torch.library.register_fake("contbatch_cpu::small_linear")
+        fake(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
+        fake = torch.library.register_fake("contbatch_cpu::routed_linear")
+        fake(lambda x, w, b, one, few, many: x.new_empty(*x.shape[:-1], w.shape[0]))
+        _fakes_registered.append(True)
+
+
+# -- norms, rotary embeddings, decoder layers ------------------------------------------------
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A Llama-family RMSNorm of the last dim (float32 or bfloat16), rounded as the module does:
+    the normalised row to the input dtype, then times the weight."""
+    return torch.ops.contbatch_cpu.rms_norm(x.contiguous(), weight, eps)
+
+
+def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb` for q/k `[B, H, T, D]` and cos/sin `[B, T, D]` over
+    the whole head, bit for bit (each product rounded, then the sum)."""
+    return torch.ops.contbatch_cpu.rotary(q, k, cos, sin)
+
+
+def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                  packed: list[torch.Tensor | None], codes: list[int], eps: list[float], cos: torch.Tensor,
+                  sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
+                  decode: tuple, chunks: tuple, block_size: int, scales: list[float], windows: list[int],
+                  head_dim: int) -> torch.Tensor:
+    """Consecutive Llama-family decoder layers as one call: per layer, the kernels above and the
+    attention kernels in the order the layer's own forward runs them, so the output is the
+    per-module path's bit for bit. The lists hold one layer after the other: `weights` its
+    input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]; `biases` and
+    `packed` one per linear (q, k, v, o, gate, up, down; None where it has none); `codes` three
+    ROUTED_CODES per linear; `eps` its norms', in the weights' order; `keys`, `values`, `scales`
+    and `windows` one per layer. `decode` is (block_table, kv_lens) of the step's leading
+    decode rows or two None, `chunks` (block_table, q_start, q_lens, kv_lens) of its prompt
+    chunks or four None."""
+    return torch.ops.contbatch_cpu.decoder_stack(
+        hidden, weights, biases, packed, codes, eps, cos, sin, keys, values, slots, *decode, *chunks, block_size,
+        scales, windows, head_dim)
+
+
+# -- sampling --------------------------------------------------------------------------------
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for [rows, vocab] logits, int64 [rows]: the first index of the
+    maximum, the first NaN's where a row holds one. CPU float32/bfloat16 rows with a contiguous
+    vocabulary take our kernel; other devices, dtypes and layouts, or no library, take aten's."""
+    global _argmax_kernel
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.shape[1] > 0 and logits.stride(1) == 1):
+        if _argmax_kernel is None:
+            _argmax_kernel = native.load()[0]
+        if _argmax_kernel:
+            return torch.ops.contbatch_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)

@@ -1,0 +1,200 @@
+"""Timings of the linear kernels on a model's weight shapes, and the store that keeps them.
+
+`time_kernels` times each kernel on one product (weight shape, row count, dtype): best-of
+seconds per call, each timed call reading a different copy of the weight, cut from a pool of
+memory as large as the model's linears (at most POOL_BYTES), as a forward streams its weights
+from memory; a weight timed over and over stays hot in the cache and chose the wrong kernel.
+
+`ProbeStore` keeps the timings per machine in `$CONTBATCH_CACHE/linear_probe/<machine>.json`
+(the machine: our library's build key and the CPU model), so later processes route, and so
+round, the same way without probing again. Delete the file to probe again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import cachefiles
+from ..paths import cache_dir
+from . import linear_kernels, native, ops
+from .knobs import LINEAR_KERNELS as KERNELS
+
+logger = logging.getLogger("contbatch")
+
+POOL_BYTES = 128 << 20  # probe weights streamed from up to this much memory: several times any L3
+
+
+@functools.cache
+def _machine() -> str:
+    """The probe file's name: our kernels' build key (sources, torch, CPU flags) and the CPU model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return hashlib.sha256(f"{native.build_key()}|{model}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class ProbeStore:
+    """Probe timings by product, for this process and persisted in $CONTBATCH_CACHE per machine:
+    a later process routes the same way without probing, and so rounds the same way: two runs
+    of one job give the same tokens. Delete the file (its path is in the start-up line) to
+    probe again. Read on first use.
+
+    Reading never raises: a file that is not JSON, and entries that are not timings the planner
+    can use (`_usable`), are dropped with one warning naming the file, and those products are
+    probed again; the next save writes the file whole again. Saves merge this process's timings
+    into the file's under an `flock` (two processes saving at once keep both's) and replace it
+    atomically; a save that fails (a full or read-only disk) leaves the file as it was and no
+    temporary file beside it."""
+
+    path: Path | None = None
+    times: dict[str, dict[str, float]] = field(default_factory=dict)
+    from_file: set[str] = field(default_factory=set)
+    hits: int = 0  # verdicts taken from the file in this process
+    probed: int = 0  # products timed in this process
+    unsaved: bool = False
+
+    def get(self, key: str) -> dict[str, float] | None:
+        if self.path is None:
+            self.path = cache_dir() / "linear_probe" / f"{_machine()}.json"
+            loaded = self._read(warn=True)  # an absent, empty or damaged file probes as before
+            self.times, self.from_file = {**loaded, **self.times}, set(loaded)
+        self.hits += key in self.from_file
+        return self.times.get(key)
+
+    def put(self, key: str, times: dict[str, float]) -> None:
+        self.times[key] = times
+        self.probed += 1
+        self.unsaved = True
+
+    def save(self) -> None:
+        """Write this process's timings next to those already in the file."""
+        if not self.unsaved or self.path is None:
+            return
+        self.unsaved = False
+        try:
+            with cachefiles.locked(self.path.with_name(f"{self.path.name}.lock"), "saving linear probe timings"):
+                cachefiles.remove_temps(self.path)
+                for old in self.path.parent.glob(f"{self.path.stem}.*.tmp"):  # an older version's temporary files
+                    old.unlink(missing_ok=True)
+                merged = {**self._read(), **self.times}
+                cachefiles.write_atomic(self.path, json.dumps(merged, indent=0, sort_keys=True))
+        except OSError as exc:  # a full or read-only cache: probe again next time
+            logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
+
+    def _read(self, warn: bool = False) -> dict[str, dict[str, float]]:
+        """The file's usable entries: {} for an absent or damaged file. Never raises."""
+        try:
+            loaded = json.loads(self.path.read_bytes())
+            why = "" if isinstance(loaded, dict) else "not a JSON object"
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # unreadable, not JSON, nested too deep: never the planner's failure
+            loaded, why = {}, f"{type(exc).__name__}: {exc}"
+        if why:
+            if warn:
+                logger.warning("contbatch: %s: damaged linear probe file (%s); probing again", self.path, why)
+            return {}
+        usable = {key: times for key, times in loaded.items() if _usable(key, times)}
+        if warn and len(usable) < len(loaded):
+            logger.warning("contbatch: %s: %d of %d linear probe entries damaged (not timings of known kernels); "
+                           "probing those again", self.path, len(loaded) - len(usable), len(loaded))
+        return usable
+
+
+def _usable(key: str, times: object) -> bool:
+    """Whether a stored entry is timings the planner can compare: positive, finite seconds for
+    aten and for exactly the kernels its key names (`time_kernels`'s keys end with them), and no
+    other. An empty or zero entry would fail every start (an empty `min()`, a division by zero)."""
+    if not isinstance(times, dict) or "aten" not in times:
+        return False
+    if not all(name in KERNELS and type(t) in (int, float) and math.isfinite(t) and t > 0
+               for name, t in times.items()):
+        return False
+    words = key.split()
+    if words[-1:] == ["packed"]:
+        words = words[:-1]
+    named = set(words[-1].split(",")) if words else set()
+    return not named <= set(KERNELS) or named == set(times)
+
+
+store = ProbeStore()  # this process's
+
+
+@dataclass(eq=False)
+class ProbePool:
+    """Memory to cut weight copies from, drawn only when a product is actually timed: with
+    every verdict read from the probe file, no random values are drawn at all."""
+
+    numel: int
+    dtype: torch.dtype
+
+    def draw(self) -> torch.Tensor:
+        return (torch.rand(self.numel, generator=torch.Generator().manual_seed(0)) - 0.5).to(self.dtype)
+
+    @functools.cached_property
+    def tensor(self) -> torch.Tensor:
+        return self.draw()
+
+
+def probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> ProbePool:
+    """As many bytes as the model's linears of that dtype (so a model small enough to stay in
+    the cache is probed in the cache), at most POOL_BYTES, and at least one copy of the largest
+    weight."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return ProbePool(max(min(model_bytes, POOL_BYTES) // size, largest), dtype)
+
+
+def copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[torch.Tensor]:
+    """As many [out, in] weights as `pool` holds (at least one), cut from it without copying."""
+    size = out_features * in_features
+    return [pool[i * size:(i + 1) * size].view(out_features, in_features) for i in range(max(1, pool.numel() // size))]
+
+
+def _seconds(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], repeats: int) -> float:
+    """Best-of seconds per call, each pass calling `fn` once on every weight in turn."""
+    for w in weights[:2]:
+        fn(w)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            fn(w)
+        best = min(best, (time.perf_counter() - start) / len(weights))
+    return best
+
+
+def time_kernels(out_features: int, in_features: int, rows: int, pool: ProbePool, kernels: tuple[str, ...],
+                 packed: Callable[[], list[torch.Tensor]] | None = None) -> dict[str, float]:
+    """Best-of seconds per kernel for one product, from the store or timed (and stored), per
+    thread count and pool. `packed`, where oneDNN runs on prepacked weights, gives the pool's
+    copies packed (what will run), made once per shape for every row count probed."""
+    prepack = packed is not None
+    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} pool={pool.numel} "
+           f"{pool.dtype} {','.join(kernels)}{' packed' if prepack else ''}")
+    times = store.get(key)
+    if times is None:
+        weights = copies(pool.tensor, out_features, in_features)
+        x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
+        repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
+        fns = {"aten": torch.nn.functional.linear,
+               "onednn": linear_kernels.packed_linear if prepack else linear_kernels.onednn_linear,
+               "small_linear": ops.small_linear, "upcast": linear_kernels.upcast_linear}
+        with torch.inference_mode():
+            times = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
+                                 packed() if k == "onednn" and prepack else weights, repeats)
+                     for k in kernels}
+        store.put(key, times)
+    return times

@@ -1,0 +1,201 @@
+"""What a Llama-family decoder layer's one C++ call needs, and the whole stack as one call.
+
+`FusedLayer` holds a layer's modules (their weights are read at every call, so replaced or
+updated parameters are never stale), its linears' routes as `routed_linear` codes and its
+constants; `one_call` lays one or more consecutive layers' arguments end to end for
+`ops.decoder_stack`. `FusedStack` runs every layer of the model as one call from a kind of
+step's second on: `decoder_stack` calls the same C++ layer function one call per layer does,
+layer after layer, so it is bit-identical by construction, and it is used only once a step of
+that kind ran the layers one by one, every layer's check passed, and showed the model's loop a
+plain chain (each layer called once, in order, on the previous layer's output).
+
+The step's attention inputs come from the torch backend's plan of the step (`meta.prepared`,
+attention/torch_backend.py's `TorchStep`), read by field name: this package does not import
+the attention backends.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import ops
+
+ONEDNN = ops.ROUTED_CODES["onednn"]
+
+
+@dataclass(eq=False)
+class SharedState:
+    """State of one manager's fused layers together: the engine's step context, the (layer
+    variant, kind of step) pairs checked against a layer's own forward, whether every check
+    passed, and the last position embeddings seen (every layer of a step gets the same)."""
+
+    in_step: Callable[[], bool]
+    active_step: Callable[[], Any]
+    checked: set[tuple] = field(default_factory=set)
+    enabled: bool = True
+    last_emb: tuple = (None, False)  # (cos tensor, whether our rotary takes it)
+    stack: FusedStack | None = None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The step's attention inputs, as the torch backend planned them, and its kind: what
+    decides the kernels it runs (the linears' row regime, the attention's parts)."""
+
+    cache: Any
+    slots: torch.Tensor
+    decode: tuple  # (block_table, kv_lens) of the leading decode rows, or (None, None)
+    chunks: tuple  # (block_table, q_start, q_lens, kv_lens) of the prompt chunks, or four None
+    block_size: int
+    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks)
+
+
+def step_inputs(meta: Any) -> StepInputs | None:
+    """The step's attention inputs where every row takes our C++ attention (decode rows, then
+    prompt chunks), else None; made once per step (kept on its metadata)."""
+    cached = meta.__dict__.get("_contbatch_fused", False)
+    if cached is not False:
+        return cached
+    inputs = None
+    step = meta.prepared
+    if (getattr(meta.backend, "name", None) == "torch" and not step.decode_groups and not step.prefill_rows
+            and meta.write_slots.numel() == step.num_tokens and meta.cache.native_write
+            and meta.cache.layout.calls_per_layer == 1):
+        d, c, rows = step.decode_rows, step.prefill_chunks, step.num_tokens
+        kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None)
+        inputs = StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
+                            (None,) * 4 if c is None else (c.block_table, c.q_start, c.q_lens, c.kv_lens),
+                            meta.cache.block_size, kind)
+    meta.__dict__["_contbatch_fused"] = inputs
+    return inputs
+
+
+@dataclass(eq=False)
+class FusedLayer:
+    """What a layer's one call needs besides the step: its modules, routes and constants."""
+
+    layer_idx: int
+    norms: list[torch.nn.Module]  # input, post-attention[, q, k]
+    linears: list[torch.nn.Module]  # q, k, v, o, gate, up, down
+    codes: list[int]
+    eps: list[float]
+    scale: float
+    window: int
+    head_dim: int
+    dtype: torch.dtype
+    shared: SharedState
+    previous: Callable | None = None  # the forward the layer had in its __dict__ (a compile region)
+    position: int = -1  # its place in the model's stack of fused layers (-1: no stack)
+
+    @functools.cached_property
+    def variant(self) -> tuple:
+        """What makes layers run different code: layers alike here are checked once for all."""
+        return (self.window, self.head_dim, self.dtype, tuple(self.codes), len(self.norms),
+                tuple(m.bias is None for m in self.linears), self.scale, tuple(self.eps))
+
+    def own(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+        """The layer's forward without us: what compiled steps trace and other steps run."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    def __post_init__(self) -> None:
+        # Parameters are read from the modules' own dicts at every call (cheaper than
+        # nn.Module.__getattr__), so a replaced parameter is never stale.
+        self._weights = [m._parameters for m in (self.norms[0], *self.linears[:4], self.norms[1], *self.linears[4:],
+                                                   *self.norms[2:])]
+        self._biases = [m._parameters for m in self.linears]
+        self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in
+
+    def weights(self) -> list[torch.Tensor]:
+        return [d["weight"] for d in self._weights]
+
+    def biases(self) -> list[torch.Tensor | None]:
+        return [d.get("bias") for d in self._biases]
+
+    def packed(self, regime: int) -> list[torch.Tensor | None]:
+        """oneDNN's prepacked copies, for the linears that run oneDNN at this many rows (more
+        than one: routers/linear.py)."""
+        packed = [None] * len(self.linears)
+        if regime:
+            for i, m in enumerate(self.linears):
+                holder = m.__dict__.get("_contbatch_packed")
+                if holder is not None and self.codes[3 * i + regime] == ONEDNN:
+                    packed[i] = holder.fresh(m.weight)
+        return packed
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        return one_call([self], self.codes, self.eps, [self.scale], [self.window], hidden, cos, sin, step)
+
+
+def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scales: list[float],
+             windows: list[int], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             step: StepInputs) -> torch.Tensor:
+    """`layers` (consecutive ones, one or all) as one `decoder_stack` call; `codes`, `eps`,
+    `scales` and `windows` are theirs, laid end to end."""
+    regime = step.kind[0]
+    caches = [step.cache.kv(f.layer_idx) for f in layers]
+    return ops.decoder_stack(
+        hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
+        [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
+        [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
+        layers[0].head_dim)
+
+
+@dataclass(eq=False)
+class FusedStack:
+    """Every decoder layer of the model as one call, from the second step of each kind on: the
+    model's own loop still calls each layer, the first runs them all and the others pass its
+    output on. A model that scales, adds or reorders between layers never gets here."""
+
+    layers: list[FusedLayer]
+    modules: list[torch.nn.Module]
+    kinds: set[tuple] = field(default_factory=set)  # kinds of step proven a plain chain
+    chain: tuple = (None, None, -1)  # (step, last output, position) of the step running one by one
+    done: tuple = (None, None)  # (step, output) of the stack's call in the step running now
+
+    def __post_init__(self) -> None:
+        self.codes = [c for f in self.layers for c in f.codes]
+        self.eps = [e for f in self.layers for e in f.eps]
+        self.scales = [f.scale for f in self.layers]
+        self.windows = [f.window for f in self.layers]
+
+    def ready(self, step: StepInputs) -> bool:
+        return step.kind in self.kinds and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        out = one_call(self.layers, self.codes, self.eps, self.scales, self.windows, hidden, cos, sin, step)
+        self.done = (step, out)
+        return out
+
+    def pass_on(self, position: int) -> torch.Tensor:
+        """A later layer's share of the stack's call in this step: the output, unchanged."""
+        out = self.done[1]
+        if position == len(self.layers) - 1:
+            self.done = (None, None)
+        return out
+
+    def changed(self) -> None:
+        """A later layer of a step whose stack ran was given another hidden state than the
+        stack's output: the model's loop is not the chain it was, and this step's output is
+        lost. The step fails; the following ones run the layers one by one until a step proves
+        a chain again."""
+        self.kinds.clear()
+        self.done = (None, None)
+        raise RuntimeError("contbatch: the decoder stack ran in one call, but a later layer was given another hidden "
+                           "state (the model's loop changed): the step fails, the next ones run the layers one by one")
+
+    def track(self, position: int, hidden: torch.Tensor, out: torch.Tensor, step: StepInputs) -> None:
+        """Follows a step run one by one: a plain chain through every layer proves its kind."""
+        chained = position == 0 or (self.chain[0] is step and self.chain[1] is hidden
+                                     and self.chain[2] == position - 1)
+        self.chain = (step, out, position) if chained else (None, None, -1)
+        if chained and position == len(self.layers) - 1:
+            self.chain = (None, None, -1)
+            if all(step.kind in f.known for f in self.layers):
+                self.kinds.add(step.kind)

@@ -1,0 +1,248 @@
+"""CPU linear layers on the fastest kernel the machine has, per weight shape and row count.
+
+The kernels: `aten` (`F.linear`), `onednn` and `upcast` (`linear_kernels.py`), `small_linear` (ours,
+1-7 rows of float32 or bfloat16: `ops.small_linear`). `plan_linear` chooses per weight shape
+and dtype and per row regime: one row (a lone request decoding), a few rows (2 to FEW_ROWS - 1:
+a few requests, a speculative verification run; timed at 4) and a batch (timed at 64). "auto"
+times every available kernel on the model's own shapes (`probe.py`) and takes one other than
+aten only where it wins by WIN_MARGIN; the timings persist per machine, so later starts route,
+and round, the same way. A kernel named instead of "auto" is forced where it is available
+(`small_linear` hands its batches to oneDNN, or aten). Why this is measured rather than fixed, and
+what it measured: docs/cpu.md.
+
+Layers routed to oneDNN keep a prepacked copy of their weight while the manager runs (bit for
+bit the same products), where the copies of every candidate's weight fit in
+PREPACK_RAM_FRACTION of the available RAM: packed at the layer's second multi-row call, and
+again when its weight changed (a new tensor, or an in-place update: its version counter moved).
+
+Only plain `nn.Linear` modules with float32, bfloat16 or float16 CPU weights and no forward of
+their own already patched in (hooks, adapters) are touched. Only calls inside an engine step
+are routed. A compiled step cannot read the engine's thread-local step while Dynamo traces it,
+so the runner marks its compiled calls (`context.in_compiled_step()`), and routed layers traced then
+call `contbatch_cpu::routed_linear` (which picks the route's kernel by row count when it runs:
+one graph for every step size); without our library, or on a route with `upcast`, the kernel
+is chosen while tracing (one graph per row regime), oneDNN and upcast through their custom ops.
+The change is rounding only (another summation order, float32 accumulation).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .. import linear_kernels, native, ops, probe
+from ..knobs import LINEAR_KERNELS as KERNELS
+from ... import context
+from .base import Router
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PROBE_ROWS = (1, 4, 64)  # the three regimes, each with its own verdict per weight shape
+FEW_ROWS = ops.SMALL_LINEAR_MAX_ROWS + 1  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 64-row one
+WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
+PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
+
+Shape = tuple[int, int, str]  # (out_features, in_features, weight dtype name): plain JSON in resolved_config
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The kernel of each weight shape routed away from aten, per regime, and how the choice was made."""
+
+    kernel: str  # what the user asked: auto, aten, onednn, small_linear or upcast
+    routes: tuple[tuple[Shape, tuple[str, str, str]], ...]  # shape -> kernel at 1 row, a few rows, a batch
+    summary: str
+    prepack: bool = False  # layers routed to oneDNN keep a prepacked copy of their weight
+
+    @property
+    def routes_anything(self) -> bool:
+        return bool(self.routes)
+
+    def kernels_at(self, regime: int) -> dict[Shape, str]:
+        """{shape: kernel} at one regime (0: one row, 1: a few, 2: a batch), aten left out."""
+        return {shape: kernels[regime] for shape, kernels in self.routes if kernels[regime] != "aten"}
+
+
+def candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's linear layers a plan may route."""
+    return [m for m in model.modules()
+            if type(m) is torch.nn.Linear and m.weight.dtype in DTYPES and m.weight.device.type == "cpu"
+            and "forward" not in m.__dict__]
+
+
+def shape_of(m: torch.nn.Linear) -> Shape:
+    return (m.out_features, m.in_features, str(m.weight.dtype).removeprefix("torch."))
+
+
+def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list[str]) -> tuple[bool, str]:
+    """Whether oneDNN layers keep prepacked weights, and why: asked, oneDNN here, trackable
+    weights (inference tensors have no version counter), and copies of every candidate layer's
+    weight within PREPACK_RAM_FRACTION of the available RAM."""
+    if not asked:
+        return False, "oneDNN weights not prepacked (as asked)"
+    if "onednn" not in available:
+        return False, ""
+    if any(m.weight.is_inference() for m in layers):
+        return False, "oneDNN weights not prepacked (inference-mode weights: updates could not be seen)"
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    budget = PREPACK_RAM_FRACTION * psutil.virtual_memory().available
+    if nbytes > budget:
+        return False, (f"oneDNN weights not prepacked (copies would take {nbytes / 2**30:.2f} GiB, over "
+                       f"{PREPACK_RAM_FRACTION:.0%} of the available RAM)")
+    return True, ""
+
+
+def _packs(route: tuple[str, str, str] | None) -> bool:
+    """Whether a layer with this route runs oneDNN on two rows or more (one row keeps the plain weight)."""
+    return route is not None and "onednn" in route[1:]
+
+
+def _packed_note(model: torch.nn.Module, routes, prepack: bool, why: str) -> str:
+    if not prepack:
+        return f"; {why}" if why else ""
+    by_shape = dict(routes)
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates(model)
+                 if _packs(by_shape.get(shape_of(m))))
+    return f"; oneDNN weights prepacked ({nbytes / 2**20:.0f} MiB of copies)" if nbytes else ""
+
+
+def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = True) -> LinearPlan:
+    if kernel not in KERNELS:
+        raise ValueError(f"the linear kernel must be one of {KERNELS}, got {kernel!r}")
+    layers = candidates(model)
+    shapes = sorted({shape_of(m) for m in layers})
+    if kernel == "aten" or not shapes:
+        why = "as asked" if kernel == "aten" else "no float32, bfloat16 or float16 CPU nn.Linear layers"
+        return LinearPlan(kernel, (), f"aten ({why})")
+    if native.load()[0]:
+        ops.register_linear_fakes()
+    available = {name: linear_kernels.available_kernels(getattr(torch, name))
+                 for name in sorted({s[2] for s in shapes})}
+    prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
+    missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
+    no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
+    if kernel != "auto":
+        routes = []
+        for s in shapes:
+            if kernel in available[s[2]]:
+                batch = kernel if kernel != "small_linear" else "onednn" if "onednn" in available[s[2]] else "aten"
+                routes.append((s, (kernel, kernel, batch)))
+        if not routes:
+            return LinearPlan(kernel, (), f"aten ({kernel} is not available here{no_onednn})")
+        above = f"; oneDNN or aten above {ops.SMALL_LINEAR_MAX_ROWS} rows" if kernel == "small_linear" else ""
+        left = (f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)"
+                if len(routes) < len(shapes) else "")
+        return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
+                          f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why), prepack)
+    start = time.perf_counter()
+    store = probe.store
+    hits, probed = store.hits, store.probed
+    chosen: dict[Shape, list[str]] = {}
+    gains: list[list[float]] = [[] for _ in PROBE_ROWS]
+    for name in sorted({s[2] for s in shapes}):
+        of_dtype = [s for s in shapes if s[2] == name]
+        dtype = getattr(torch, name)
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers if m.weight.dtype == dtype)
+        pool = probe.probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
+        for shape in of_dtype:
+            chosen[shape] = []
+            packed = functools.cache(
+                lambda s=shape: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, s[0], s[1])])
+            for regime, rows in enumerate(PROBE_ROWS):
+                kernels = tuple(linear_kernels.available_kernels(dtype, rows))
+                times = probe.time_kernels(shape[0], shape[1], rows, pool, kernels,
+                                           packed if prepack and rows > 1 else None)
+                best = min(times, key=times.get)
+                gains[regime].append(times["aten"] / times[best])
+                chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
+            del packed  # the packed copies (up to POOL_BYTES) go before the next shape's are made
+        del pool
+    routes = tuple((s, tuple(k)) for s, k in chosen.items() if set(k) != {"aten"})
+    parts = []
+    for regime, rows in enumerate(PROBE_ROWS):
+        counts = {k: sum(v[regime] == k for v in chosen.values()) for k in KERNELS[1:]}
+        parts.append(f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
+                     + f" of {len(shapes)} shapes (aten/best time {min(gains[regime]):.2f}-{max(gains[regime]):.2f}x)")
+    store.save()
+    how = f"probed in {time.perf_counter() - start:.2f} s"
+    if store.hits > hits:
+        how = f"{how}, other verdicts" if store.probed > probed else "probe verdicts"
+        how += f" reused from {store.path} (delete it to probe again)"
+    summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x{no_onednn}"
+    return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
+
+
+def kernel_at(route: tuple[str, str, str], rows: int) -> str:
+    """The route's kernel for a call of `rows` rows."""
+    return "aten" if rows == 0 else route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]
+
+
+def routed_codes(route: tuple[str, str, str]) -> tuple[int, int, int] | None:
+    """The route as `routed_linear`'s codes, or None where it names a kernel the op lacks
+    (`upcast`) or the C++ library is not loaded (no compiler here)."""
+    if not native.load()[0] or any(k not in ops.ROUTED_CODES for k in route):
+        return None
+    ops.register_linear_fakes()
+    return tuple(ops.ROUTED_CODES[k] for k in route)
+
+
+def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    compiling = torch.compiler.is_compiling()  # Dynamo folds this to True and never traces the step context
+    if (context.in_compiled_step() if compiling else self._contbatch_in_step()) and input.dtype == self.weight.dtype:
+        codes = self.__dict__.get("_contbatch_codes") if compiling else None
+        if codes is not None:
+            return ops.routed_linear(input, self.weight, self.bias, codes)
+        rows = input.numel() // self.in_features
+        kernel = kernel_at(self._contbatch_route, rows)
+        if kernel == "onednn":  # in a graph through its custom op (see the module docstring)
+            if compiling:
+                return torch.ops.contbatch.onednn_linear(input, self.weight, self.bias)
+            packed = self.__dict__.get("_contbatch_packed")
+            blocked = packed.fresh(self.weight) if packed is not None and rows > 1 else None  # see PACK_ROWS
+            if blocked is not None:
+                return linear_kernels.packed_linear(input, blocked, self.bias)
+            return linear_kernels.onednn_linear(input, self.weight, self.bias)
+        if kernel == "small_linear":  # traceable as is: its C++ op has a fake
+            return ops.small_linear(input, self.weight, self.bias)
+        if kernel == "upcast":
+            if compiling:
+                return torch.ops.contbatch.upcast_linear(input, self.weight, self.bias)
+            return linear_kernels.upcast_linear(input, self.weight, self.bias)
+    return torch.nn.Linear.forward(self, input)
+
+
+ATTRIBUTES = ("forward", "_contbatch_route", "_contbatch_codes", "_contbatch_packed", "_contbatch_in_step")
+
+
+class LinearRouter(Router):
+    """Installs the plan on a model's layers for the life of a manager, and takes it back."""
+
+    def __init__(self, model: torch.nn.Module, plan: LinearPlan) -> None:
+        self.model = model
+        self.plan = plan
+        self.modules: list[torch.nn.Linear] = []
+
+    def install(self) -> None:
+        if not self.plan.routes_anything or self.modules:
+            return
+        routes = dict(self.plan.routes)
+        for m in candidates(self.model):
+            route = routes.get(shape_of(m))
+            if route is not None:
+                m._contbatch_route = route
+                m._contbatch_codes = routed_codes(route)
+                m._contbatch_in_step = context.in_step
+                if self.plan.prepack and _packs(route):
+                    m._contbatch_packed = linear_kernels.PackedWeight(None, -1, None)  # packed when first reused
+                m.forward = types.MethodType(_routed_forward, m)
+                self.modules.append(m)
+
+    def uninstall(self) -> None:
+        for m in self.modules:
+            for attr in ATTRIBUTES:
+                m.__dict__.pop(attr, None)
+        self.modules = []
