@@ -10,9 +10,11 @@ average, and whether every system's tokens equal the first one's.
     python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
     python benchmarks/ab.py eager=. compiled=.:--compile-level=1   # same tree, two settings
     python benchmarks/ab.py now=. mkl=.:--cpu-kernel-overrides='{"linear":"aten"}' gather=.:--decode-fast-path=false
+    python benchmarks/ab.py glibc=. tcmalloc=.:--env=LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 Options after a tree are `ContinuousBatchingConfig` fields, dashes for underscores
 (`--compile-level` is `default_compile_level`); values are parsed as JSON where they can be.
+`--env=NAME=VALUE` sets an environment variable of that system's processes instead.
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ def parse_systems(specs: list[str]) -> dict[str, tuple[str, dict]]:
 
 
 def run(tree: str, extra: dict, args) -> dict:
+    extra = dict(extra)
+    env = dict([extra.pop("--env").split("=", 1)]) if "--env" in extra else None
     return H.run_child(CHILD, [args.dtype, args.prompts, args.new_tokens, json.dumps(config_kwargs(extra)), TEXT],
-                       tree=tree)
+                       tree=tree, env=env)
 
 
 def main() -> None:

@@ -19,9 +19,8 @@ if TYPE_CHECKING:
 MIN_BLOCK_SIZE = 4
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_BATCH_TOKENS = 8192
-# On the CPU, big steps lose: one 8192-token forward of the default model took 1.3-2.3x as long
-# as four 2048-token ones (activations far past the caches), and end to end 2048 ran
-# 1.4-1.5x faster in benchmarks/offline.py. A GPU wants the larger steps.
+# On the CPU, big steps lose: an 8192-token forward is slower than four 2048-token ones
+# (activations far past the caches), end to end too (docs/cpu.md). A GPU wants the larger steps.
 DEFAULT_CPU_MAX_BATCH_TOKENS = 2048
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
 DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of a GPU's free memory, for the KV cache
@@ -184,8 +183,7 @@ class SpeculativeConfig:
     # plus the tokens proposed so far stay within this many rows. Up to about that many rows a
     # step costs what one row costs (it reads every weight once); past it, rows cost compute,
     # and a rejected proposal costs more than it saves. None: 24 on the CPU (measured on the
-    # default model: 4 requests x (1 + 4) rows ran 2.2x faster with n-gram proposals, 8 x 5
-    # rows 1.05x), 256 on a GPU.
+    # default model, `benchmarks/speculative.py`), 256 on a GPU.
     max_step_rows: int | None = None
 
     def __post_init__(self) -> None:

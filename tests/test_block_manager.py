@@ -290,20 +290,35 @@ class PrefixSharingMachine(RuleBasedStateMachine):
         bs = self.bm.block_size
         return self.bm.table(rid)[p // bs] * bs + p % bs
 
-    @rule(rid=st.sampled_from(REQUEST_IDS), seq=SEQUENCES)
-    def attach(self, rid, seq):
+    @rule(rid=st.sampled_from(REQUEST_IDS), seq=SEQUENCES, give_back=st.booleans())
+    def attach(self, rid, seq, give_back):
+        """Match a prefix (whole blocks, then a partial hit copied into a block of its own), and
+        run the pending copies as the engine does before its forward; or give the match back
+        at once (the scheduler found no room), which must drop its pending copy."""
         if rid in self.seqs:  # churn: the old request leaves, a new one takes its id
             self.free(rid)
         bm = self.bm
         free_before, hits_before = bm.num_free_blocks, bm.prefix_hits
         got = bm.match_prefix(rid, seq)
         bs = bm.block_size
-        assert got % bs == 0 and 0 <= got < len(seq), "a match is whole blocks and leaves the last token"
-        assert len(bm.table(rid)) == got // bs
+        assert 0 <= got < len(seq), "a match leaves the last token"
+        assert len(bm.table(rid)) == blocks_for(got, bs)
         assert bm.prefix_hits - hits_before == got
+        assert bm.num_free_blocks <= free_before  # cached blocks it revived left the free pool
+        if give_back:
+            bm.free(rid)
+            assert bm.take_copies() == [], "a match given back leaves no copy behind"
+            return
+        copies = bm.take_copies()
+        assert len(copies) <= 1
+        for src, dst, n in copies:
+            assert dst == bm.table(rid)[-1] and bm._refs[dst] == 1 and 0 < n <= bs and got % bs == n % bs
+            event("partial prefix hit")
+            for i in range(n):
+                assert src * bs + i in self.kv, "a partial hit copies a position nobody computed"
+                self.kv[dst * bs + i] = self.kv[src * bs + i]
         for p in range(got):
             assert self.kv.get(self._slot(rid, p)) == seq[p], f"matched block holds other tokens at {p}"
-        assert bm.num_free_blocks <= free_before  # cached blocks it revived left the free pool
         if got:
             event("prefix hit")
             if any(bm._refs[b] > 1 for b in bm.table(rid)):
@@ -330,10 +345,14 @@ class PrefixSharingMachine(RuleBasedStateMachine):
         self.computed[rid] = target
         evictions = bm.evictions
         bm.commit(rid, seq, target)
+        if target == len(seq):  # the prompt is in: publish its partly filled block, as the engine does
+            bm.commit_partial(rid, seq, target)
         assert bm.evictions == evictions
 
     @rule(rid=st.sampled_from(REQUEST_IDS))
     def free(self, rid):
+        if rid in self.seqs:  # a request that ends publishes what it computed
+            self.bm.commit_partial(rid, self.seqs[rid], self.computed[rid])
         held = len(self.bm.table(rid))
         assert self.bm.free(rid) == held
         self.seqs.pop(rid, None)
@@ -351,10 +370,13 @@ class PrefixSharingMachine(RuleBasedStateMachine):
                 assert self.kv.get(self._slot(rid, p)) == seq[p], f"{rid} lost its KV at position {p}"
         for rid in bm.block_tables:
             assert rid in self.seqs or not bm.block_tables[rid]
-        # A cached (free, hashed) block is findable by its hash; a content-free one is not.
+        # A cached (free, hashed) block is findable: a full one by its hash, a partly filled one
+        # under its parent; a content-free one is not. Nothing is left pinned between steps.
+        assert not bm._pending
         for b in bm._cached:
             key = bm._keys[b]
-            assert key is not None and bm._by_hash.get(key.hash) == b
+            assert key is not None and b in bm._children.get(key.parent, ())
+            assert len(key.tokens) < bm.block_size or bm._by_hash.get(key.hash) == b
         for b in bm._free:
             assert bm._keys[b] is None
 

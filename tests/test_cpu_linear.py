@@ -244,7 +244,8 @@ def test_probe_streams_weights_from_memory():
     memory), not one hot copy; the pool is as large as the model's linears, within bounds."""
     pool = probe.probe_pool(model_bytes=4 << 20, largest=1000, dtype=torch.float32)
     assert pool.numel == (4 << 20) // 4 and pool.tensor.numel() == pool.numel
-    assert probe.probe_pool(1 << 40, 10, torch.float32).numel == probe.POOL_BYTES // 4
+    assert probe.probe_pool(1 << 40, 10, torch.float32).numel == probe.stream_bytes() // 4
+    assert probe.MIN_STREAM_BYTES <= probe.stream_bytes() <= probe.POOL_BYTES
     assert probe.probe_pool(100, 10_000, torch.bfloat16).tensor.numel() == 10_000
     times = probe.time_kernels(64, 32, 1, pool, ("aten", "onednn"))
     assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())

@@ -167,6 +167,21 @@ def test_burst_sharing_a_prefix_computes_it_once(llama_model, async_flat):
     assert hits[True][0] == 15 * 40 and hits[True][1] >= 1  # 10 shared blocks of 4 for each follower
 
 
+def test_burst_sharing_less_than_a_block_computes_it_once(llama_model):
+    """16 requests sharing a 40-token prefix inside one block of 64, submitted at once: one
+    computes it, the others wait a step and copy its 40 tokens (a partial hit) instead of
+    computing them again. Outputs stay exact."""
+    system = random_prompts(1, 40, 40, seed=15)[0]
+    prompts = [system + tail for tail in random_prompts(16, 3, 6, seed=16)]
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    with continuous_batching(llama_model, gen, ContinuousBatchingConfig(block_size=64)) as m:
+        outs = [m.get_result(rid, timeout=120).generated_tokens for rid in m.add_requests(prompts)]
+        stats = m.stats()
+    assert stats["prefix_cache_hits"] >= 15 * 40 and stats["held_for_prefix"] >= 1, stats
+    for prompt, out in list(zip(prompts, outs))[:4]:
+        assert out == reference_generate(llama_model, prompt, 4)
+
+
 def test_fully_cached_prompt_still_computes_last_token(llama_model):
     prompt = random_prompts(1, 16, 16, seed=41)[0]  # exactly two 8-token blocks
     config = ContinuousBatchingConfig(block_size=8)
@@ -174,7 +189,9 @@ def test_fully_cached_prompt_still_computes_last_token(llama_model):
         first = m.get_result(m.add_request(prompt), timeout=60)
         second = m.get_result(m.add_request(prompt), timeout=60)
         stats = m.stats()
-    assert stats["prefix_cache_hits"] == 8  # the first block; the last token's block is recomputed
+    # The first block whole, then 7 of the second block's 8 positions copied: only the last
+    # token is computed again (it gives the logits).
+    assert stats["prefix_cache_hits"] == 15
     assert first.generated_tokens == second.generated_tokens == reference_generate(llama_model, prompt, 16)
 
 
@@ -201,6 +218,31 @@ def test_resolved_config_reports_everything(llama_model, caplog):
                      "max_blocks_per_request=", "allow_block_sharing=True", "decode_fast_path=", "scheduler=prefill_first",
                      "safety_margin=0.0", "cpu_offload="):
         assert fragment in line
+
+
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+def test_prefix_shorter_than_a_block_is_reused(llama_model, offload):
+    """A shared system prompt of 37 tokens, blocks of 16: each later request reuses the two
+    full blocks and the 5 tokens of the third (copied into a block of its own); a chat's next
+    turn reuses the whole previous turn, answer included, up to the token before its end.
+    Outputs stay exact, also when the pool is small enough that requests preempt each other."""
+    system = random_prompts(1, 37, 37, seed=81)[0]
+    prompts = [system + tail for tail in random_prompts(4, 2, 9, seed=82)]
+    config = ContinuousBatchingConfig(block_size=16, num_blocks=12 if offload else None, max_batch_tokens=64,
+                                      cpu_offload_space=offload, safety_margin=0.0)
+    with continuous_batching(llama_model, GREEDY16, config) as m:
+        outs = [m.get_result(m.add_request(p), timeout=120) for p in prompts]  # one after the other
+        hits = m.stats()["prefix_cache_hits"]
+        turn = prompts[0] + outs[0].generated_tokens + random_prompts(1, 5, 5, seed=83)[0]
+        second = m.get_result(m.add_request(turn), timeout=120)
+        turn_hits = m.stats()["prefix_cache_hits"] - hits
+        burst = [m.get_result(rid, timeout=120) for rid in m.add_requests(prompts)]
+    assert hits >= 3 * 37, hits
+    assert turn_hits >= len(prompts[0]) + 16 - 1, turn_hits  # the previous turn's computed tokens
+    assert all(o.cached_tokens >= 37 for o in outs[1:]), [o.cached_tokens for o in outs]
+    for prompt, out, again in zip(prompts, outs, burst):
+        assert out.generated_tokens == again.generated_tokens == reference_generate(llama_model, prompt, 16)
+    assert second.generated_tokens == reference_generate(llama_model, turn, 16)
 
 
 # -- sliding windows with real prefix hits ------------------------------------------------------

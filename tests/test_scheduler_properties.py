@@ -309,6 +309,9 @@ def simulate(
         for off in plan.offloaded:  # copy out first: the blocks may already be promised to others
             assert tables_before[off.state.request_id] == off.blocks
             host[off.state.request_id] = read(off.state, off.blocks, off.num_tokens)
+        for src, dst, n in bm.take_copies():  # partial prefix hits, copied before the forward
+            for i in range(n):
+                kv[dst * bs + i] = kv[src * bs + i]
         for s in plan.restored:
             saved = host.pop(s.request_id)
             table = bm.table(s.request_id)
@@ -329,9 +332,12 @@ def simulate(
             s = c.state
             s.num_computed_tokens += c.num_tokens
             bm.commit(s.request_id, s.all_token_ids, s.num_computed_tokens)
+            if s.num_computed_tokens - c.num_tokens < len(s.prompt_ids) <= s.num_computed_tokens:
+                bm.commit_partial(s.request_id, s.all_token_ids, len(s.prompt_ids))
         for s, tok in zip(sampled, tokens):
             s.append_token(tok)
             if s.status.is_done:
+                bm.commit_partial(s.request_id, s.all_token_ids, s.num_computed_tokens)
                 sched.remove(s.request_id)
                 finished.add(s.request_id)
 

@@ -47,7 +47,7 @@ def paged_attention_region(query: torch.Tensor, key: torch.Tensor, value: torch.
     constant of the graph, so identical decoder layers trace to one nested compile region
     (`runtime/compile.py`, `mark_layer_regions`; CPU models only: a CPU input in a CUDA graph is
     left for the GPU check)."""
-    # The function, not the op: a second pass through the dispatcher cost ~25 us per layer.
+    # The function, not the op: a second pass through the dispatcher costs time in every layer.
     return _paged_attention(query, key, value, int(layer), scaling, sliding_window, softcap, sinks)
 
 

@@ -34,7 +34,7 @@ from .metadata import StepMetadata, visible_keys
 MAX_DECODE_GROUPS = 4
 # Rows of up to this many query tokens (speculative verification, short chunks) go through the
 # decode kernel token by token: for so few queries, reading K/V in place beats gathering every
-# key for SDPA (one verification step of the default model: 50 ms through SDPA, see RESULTS).
+# key for SDPA (a verification step through SDPA was several times slower: benchmarks/RESULTS.md).
 KERNEL_MAX_QUERY = 16
 MIN_DECODE_GROUP_ROWS = 8
 

@@ -6,7 +6,15 @@ Prefix sharing: a block whose `block_size` tokens are all computed gets a conten
 on its parent's (so equal hashes mean equal prefixes, checked against the stored tokens).
 Other requests with the same prefix reuse it by reference count. When its last user leaves it
 stays, still hashed, in the free pool as cache, and is evicted only when no content-free block
-is left. Eviction is least recently released first (LRU, like vLLM): a prefix that many
+is left.
+
+Reuse finer than a block: a request's partly filled last block is published too (once its
+prompt is computed, and again with every computed token when it ends), keyed by its parent and
+the tokens it holds. A later prompt whose next tokens agree with the first `m` tokens of such a
+block, or of a full cached block, gets a block of its own and a pending copy of those `m`
+positions (`take_copies`: the engine copies them before the step's forward); the source is
+pinned until then. So a system prompt or an earlier chat turn shorter than a block is reused
+token by token, and a block that others read is never written by a newcomer. Eviction is least recently released first (LRU, like vLLM): a prefix that many
 requests keep coming back to is released often and so stays, while one-off tails go first.
 `benchmarks/prefix_eviction.py` measures why against the reference engine's opposite order.
 """
@@ -17,11 +25,22 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "mru")
+PARTIAL_CANDIDATES = 32  # most recently published blocks under one parent tried for a partial hit
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` tokens (ceil division)."""
     return (num_tokens + block_size - 1) // block_size
+
+
+@dataclass(frozen=True)
+class PendingCopy:
+    """The first `num_tokens` positions of block `src` belong in `dst` before the next forward."""
+
+    src: int
+    dst: int
+    num_tokens: int
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,10 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._hashed: dict[str, int] = {}  # leading blocks of each table already hashed
+        # Blocks that serve as the next block after a parent hash (full ones that `_by_hash`
+        # serves and partly filled published ones): where partial hits are looked for.
+        self._children: dict[int | None, dict[int, None]] = {}
+        self._pending: list[PendingCopy] = []  # partial hits not yet copied, sources pinned
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
         self.evictions = 0
@@ -82,8 +105,7 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._cached.popitem(last=self.eviction == "mru")
-            del self._by_hash[self._keys[block].hash]
-            self._keys[block] = None
+            self._unpublish(block)
             self.evictions += 1
         self._refs[block] = 1
         return block
@@ -109,6 +131,10 @@ class BlockManager:
         """
         table = self.block_tables.pop(request_id, [])
         self._hashed.pop(request_id, None)
+        mine = [p for p in self._pending if p.request_id == request_id]
+        if mine:  # matched, then given back before its copy ran
+            self._pending = [p for p in self._pending if p.request_id != request_id]
+            self._release([p.src for p in mine])
         self._release(table)
         return len(table)
 
@@ -132,7 +158,7 @@ class BlockManager:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 key = self._keys[block]
-                if key is not None and self._by_hash.get(key.hash) == block:
+                if key is not None and block in self._children.get(key.parent, ()):
                     self._cached[block] = None
                 else:  # never hashed, or a twin of a block that already serves this prefix
                     self._keys[block] = None
@@ -147,29 +173,72 @@ class BlockManager:
             yield key
 
     def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
-        """Attach cached blocks holding a prefix of `token_ids` to a request with no blocks.
+        """Attach cached blocks holding a prefix of `token_ids` to a request with no blocks,
+        then, where the prefix goes on inside a block, a fresh block with a pending copy of
+        the positions it shares (see the module docstring).
 
-        Returns the tokens whose KV is now in place. The last token is always left to compute:
-        the step needs its logits.
+        Returns the tokens whose KV is (or will be, before the forward) in place. The last token
+        is always left to compute: the step needs its logits.
         """
         if not self.allow_block_sharing or self.block_tables.get(request_id):
             return 0
-        eligible = (len(token_ids) - 1) // self.block_size
-        self.prefix_queries += eligible * self.block_size
+        reusable = len(token_ids) - 1
+        eligible = reusable // self.block_size
+        self.prefix_queries += max(0, reusable)
         table: list[int] = []
+        parent = None
         for key in self._keys_for(token_ids, eligible):
             block = self._by_hash.get(key.hash)
             if block is None or self._keys[block] != key:
                 break
-            if self._refs[block] == 0:
-                del self._cached[block]
-            self._refs[block] += 1
+            self._pin(block)
             table.append(block)
+            parent = key.hash
+        matched = len(table) * self.block_size
+        partial = self._partial_hit(parent, token_ids[matched:reusable]) if self.num_free_blocks else None
+        if partial is not None:
+            src, m = partial
+            self._pin(src)
+            if self.num_free_blocks:
+                dst = self._take()
+                self._pending.append(PendingCopy(src, dst, m, request_id))
+            else:  # the source was the last free block: nobody uses it, so it is taken over whole
+                self._unpublish(src)
+                dst = src
+            table.append(dst)
+            matched += m
         if table:
             self.block_tables[request_id] = table
-            self._hashed[request_id] = len(table)
-        self.prefix_hits += len(table) * self.block_size
-        return len(table) * self.block_size
+            self._hashed[request_id] = len(table) - (partial is not None)
+        self.prefix_hits += matched
+        return matched
+
+    def _pin(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._cached[block]
+        self._refs[block] += 1
+
+    def _partial_hit(self, parent: int | None, rest: list[int]) -> tuple[int, int] | None:
+        """The published block after `parent` that shares the most leading tokens with `rest`
+        (at most a block's worth), and how many: None when none shares any."""
+        want = tuple(rest[: self.block_size])
+        children = self._children.get(parent)
+        if not want or not children:
+            return None
+        best, best_m = None, 0
+        for block in list(reversed(children))[:PARTIAL_CANDIDATES]:
+            m = _common_prefix(self._keys[block].tokens, want)
+            if m > best_m:
+                best, best_m = block, m
+        return (best, best_m) if best is not None else None
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The pending partial-hit copies as (src, dst, num_tokens), for the engine to run
+        before the next forward; their sources are unpinned (the copies run before any later
+        step can write to a block handed out again)."""
+        pending, self._pending = self._pending, []
+        self._release([p.src for p in pending])
+        return [(p.src, p.dst, p.num_tokens) for p in pending]
 
     def block_hashes(self, token_ids: list[int]) -> list[int]:
         """Chained hashes of the blocks `match_prefix` could reuse for this sequence."""
@@ -197,9 +266,43 @@ class BlockManager:
         parent = self._keys[table[done - 1]].hash if done else None
         for i, key in enumerate(self._keys_for(token_ids, full, done, parent), start=done):
             block = table[i]
+            self._unpublish(block)  # its partial key, if it had one
             self._keys[block] = key
-            self._by_hash.setdefault(key.hash, block)  # first writer wins; a twin stays private
+            if self._by_hash.setdefault(key.hash, block) == block:  # first writer wins; a twin stays private
+                self._children.setdefault(key.parent, {})[block] = None
         self._hashed[request_id] = full
+
+    def commit_partial(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Publish the request's partly filled last block (its first `num_computed` tokens
+        computed) for partial hits, when the blocks before it are published (`commit`)."""
+        if not self.allow_block_sharing:
+            return
+        table = self.block_tables.get(request_id, [])
+        bs = self.block_size
+        full, held = divmod(num_computed, bs)
+        if not held or full >= len(table) or self._hashed.get(request_id, 0) != full:
+            return
+        if full and self._keys[table[full - 1]] is None:  # chain cut by a reset
+            return
+        block = table[full]
+        self._unpublish(block)
+        key = BlockKey(self._keys[table[full - 1]].hash if full else None, tuple(token_ids[full * bs : num_computed]))
+        self._keys[block] = key
+        self._children.setdefault(key.parent, {})[block] = None
+
+    def _unpublish(self, block: int) -> None:
+        """Take a block's key out of the indexes (evicted, or its key is being replaced)."""
+        key = self._keys[block]
+        if key is None:
+            return
+        if self._by_hash.get(key.hash) == block:
+            del self._by_hash[key.hash]
+        children = self._children.get(key.parent)
+        if children is not None and block in children:
+            del children[block]
+            if not children:
+                del self._children[key.parent]
+        self._keys[block] = None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (the weights changed: their KV is stale). Cached blocks
@@ -210,5 +313,19 @@ class BlockManager:
         self._free.extend(self._cached)
         self._cached.clear()
         self._by_hash.clear()
+        self._children.clear()
         self._keys = [None] * self.num_blocks
         return freed
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token tuples: a binary search over slice
+    comparisons (each one a C loop), not a Python loop over tokens."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

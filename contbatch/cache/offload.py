@@ -2,7 +2,9 @@
 
 One place for all of it: the capacity accounting the scheduler asks (`fits`, `reserve`,
 `release`), the host copies the engine makes before the forward (`copy_out`, `copy_in`),
-and `drop` for a request that ends while offloaded. The accounting is in blocks and knows no
+and `drop` for a request that ends while offloaded. The one device-side move the engine makes
+before a forward, partial prefix hits (`copy_prefix`), goes through here too, so that under
+tensor parallelism every rank repeats it in the same order. The accounting is in blocks and knows no
 tensors, so the scheduler can use it; only the copies touch the cache.
 """
 
@@ -51,6 +53,11 @@ class HostKVTier:
         self._tell("copy_in", request_id, blocks)
         keys, values, num_tokens = self._copies.pop(request_id)
         self.cache.copy_in(blocks, num_tokens, keys, values)
+
+    def copy_prefix(self, copies: list[tuple[int, int, int]]) -> None:
+        """Partial prefix hits: the first `n` positions of block `src` into block `dst`."""
+        self._tell("copy_prefix", [tuple(c) for c in copies])
+        self.cache.copy_positions(copies)
 
     def drop(self, request_id: str) -> None:
         """Forget a request that ended (finished, cancelled, failed) wherever it was."""

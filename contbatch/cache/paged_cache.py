@@ -185,6 +185,18 @@ class PagedAttentionCache:
             self.key_cache[layer].view(-1, width).index_copy_(0, index, keys[layer])
             self.value_cache[layer].view(-1, width).index_copy_(0, index, values[layer])
 
+    def copy_positions(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each (src, dst, n): the first `n` positions of block `src`, every layer and KV
+        head, into block `dst` (a partial prefix hit; the blocks are distinct)."""
+        bs = self.block_size
+        for src, dst, n in copies:
+            a, b = src * bs, dst * bs
+            for cache in (*self.key_cache, *self.value_cache):
+                if self.token_major:
+                    cache[b : b + n].copy_(cache[a : a + n])
+                else:
+                    cache[:, b : b + n].copy_(cache[:, a : a + n])
+
     def _rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of a 2-D view of one layer's tensor that hold `slots`, and that view's width."""
         if self.token_major:
@@ -210,12 +222,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     pages on first touch, advised for 2 MiB pages where the OS has them.
 
     `torch.zeros` wrote every byte at start-up: a lone request's manager, whose cache is sized
-    to a share of RAM, spent 2-13 s zeroing 4.5 GiB it never used. Here memory is touched only
-    as blocks are written. Each decode row reads its keys block by block from wherever the
+    to a share of RAM, spent seconds zeroing gigabytes it never used. Here memory is touched
+    only as blocks are written. Each decode row reads its keys block by block from wherever the
     blocks lie: with 4 KiB pages nearly every 4 KiB of keys is a TLB miss, and the rows a step
-    writes land on random pages. Huge pages made the decode kernel 1.2-1.3x faster on float32
-    caches read from memory, and a 32-request float32 workload's decode steps 1.02-1.19x
-    faster (three interleaved pairs, `benchmarks/RESULTS.md`)."""
+    writes land on random pages; huge pages made decoding faster (figures in docs/cpu.md)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE_PAGE:

@@ -2,8 +2,10 @@
 
 `time_kernels` times each kernel on one product (weight shape, row count, dtype): best-of
 seconds per call, each timed call reading a different copy of the weight, cut from a pool of
-memory as large as the model's linears (at most POOL_BYTES), as a forward streams its weights
-from memory; a weight timed over and over stays hot in the cache and chose the wrong kernel.
+memory as large as the model's linears (at most twice the last-level cache), as a forward
+streams its weights from memory; a weight timed over and over stays hot in the cache and chose the wrong kernel.
+Compute-bound products (many rows) are timed on a few copies, and kernels that lose clearly
+after one pass are not timed again, so that probing a new model costs little of its first job.
 
 `ProbeStore` keeps the timings per machine in `$CONTBATCH_CACHE/linear_probe/<machine>.json`
 (the machine: our library's build key and the CPU model), so later processes route, and so
@@ -31,7 +33,11 @@ from .knobs import LINEAR_KERNELS as KERNELS
 
 logger = logging.getLogger("contbatch")
 
-POOL_BYTES = 128 << 20  # probe weights streamed from up to this much memory: several times any L3
+POOL_BYTES = 128 << 20  # probe weights streamed from at most this much memory
+MIN_STREAM_BYTES = 16 << 20
+HOT_ROWS = 16  # from this many rows a product is compute-bound (see `time_kernels`)
+HOT_BYTES = 8 << 20  # weight copies those products are timed on
+CLOSE = 1.25  # kernels within this factor of the best get more timed passes (`_best_of`)
 
 
 @functools.cache
@@ -142,19 +148,36 @@ class ProbePool:
     dtype: torch.dtype
 
     def draw(self) -> torch.Tensor:
-        return (torch.rand(self.numel, generator=torch.Generator().manual_seed(0)) - 0.5).to(self.dtype)
+        # Evenly spaced values: the kernels' speed does not depend on them, and one parallel
+        # fill costs a fraction of drawing random numbers for a pool this size.
+        return torch.linspace(-0.5, 0.5, self.numel, dtype=torch.float32).to(self.dtype)
 
     @functools.cached_property
     def tensor(self) -> torch.Tensor:
         return self.draw()
 
 
+@functools.cache
+def stream_bytes() -> int:
+    """Bytes a probe pass streams: twice the last-level cache (a cyclic pass over twice the
+    cache misses on every line), within MIN_STREAM_BYTES and POOL_BYTES; POOL_BYTES where the
+    OS does not say."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return min(POOL_BYTES, max(MIN_STREAM_BYTES, 2 * max(sizes))) if sizes else POOL_BYTES
+
+
 def probe_pool(model_bytes: int, largest: int, dtype: torch.dtype) -> ProbePool:
     """As many bytes as the model's linears of that dtype (so a model small enough to stay in
-    the cache is probed in the cache), at most POOL_BYTES, and at least one copy of the largest
-    weight."""
+    the cache is probed in the cache), at most `stream_bytes()`, and at least one copy of the
+    largest weight."""
     size = torch.tensor([], dtype=dtype).element_size()
-    return ProbePool(max(min(model_bytes, POOL_BYTES) // size, largest), dtype)
+    return ProbePool(max(min(model_bytes, stream_bytes()) // size, largest), dtype)
 
 
 def copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[torch.Tensor]:
@@ -163,38 +186,58 @@ def copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[torc
     return [pool[i * size:(i + 1) * size].view(out_features, in_features) for i in range(max(1, pool.numel() // size))]
 
 
-def _seconds(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], repeats: int) -> float:
-    """Best-of seconds per call, each pass calling `fn` once on every weight in turn."""
-    for w in weights[:2]:
+def _pass(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+    """Seconds per call over one pass calling `fn` once on every weight in turn."""
+    start = time.perf_counter()
+    for w in weights:
         fn(w)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for w in weights:
-            fn(w)
-        best = min(best, (time.perf_counter() - start) / len(weights))
-    return best
+    return (time.perf_counter() - start) / len(weights)
+
+
+def _best_of(fns: dict[str, Callable[[torch.Tensor], object]], weights: dict[str, list[torch.Tensor]],
+             most: int) -> dict[str, float]:
+    """Best-of seconds per call for each kernel: one warm-up and one timed pass each, then
+    more passes (up to `most`) only for the kernels still within CLOSE of the best, until one
+    is left: a clear loser is not timed again, a close call is timed as often as before."""
+    for k, fn in fns.items():
+        fn(weights[k][0])
+    times = {k: _pass(fn, weights[k]) for k, fn in fns.items()}
+    for _ in range(most - 1):
+        best = min(times.values())
+        close = [k for k in fns if times[k] <= CLOSE * best]
+        if len(close) < 2:
+            break
+        for k in close:
+            times[k] = min(times[k], _pass(fns[k], weights[k]))
+    return times
 
 
 def time_kernels(out_features: int, in_features: int, rows: int, pool: ProbePool, kernels: tuple[str, ...],
                  packed: Callable[[], list[torch.Tensor]] | None = None) -> dict[str, float]:
     """Best-of seconds per kernel for one product, from the store or timed (and stored), per
     thread count and pool. `packed`, where oneDNN runs on prepacked weights, gives the pool's
-    copies packed (what will run), made once per shape for every row count probed."""
+    copies packed (what will run), made once per shape for every row count probed.
+
+    From HOT_ROWS rows a product does enough arithmetic per weight byte to be compute-bound,
+    so a weight read from the cache times as one streamed from memory: those products are timed
+    on HOT_BYTES of copies rather than the whole pool."""
     prepack = packed is not None
-    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} pool={pool.numel} "
+    hot = rows >= HOT_ROWS
+    where = f"hot={HOT_BYTES}" if hot else f"pool={pool.numel}"
+    key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} {where} "
            f"{pool.dtype} {','.join(kernels)}{' packed' if prepack else ''}")
     times = store.get(key)
     if times is None:
         weights = copies(pool.tensor, out_features, in_features)
+        size = out_features * in_features * pool.tensor.element_size()
+        count = max(1, HOT_BYTES // size) if hot else len(weights)
         x = (torch.rand(rows, in_features, generator=torch.Generator().manual_seed(0)) - 0.5).to(pool.dtype)
-        repeats = max(3, min(10, int(2e8 // max(out_features * in_features * rows * len(weights), 1))))
+        most = max(3, min(10, int(2e8 // max(out_features * in_features * rows * count, 1))))
         fns = {"aten": torch.nn.functional.linear,
                "onednn": linear_kernels.packed_linear if prepack else linear_kernels.onednn_linear,
                "small_linear": ops.small_linear, "upcast": linear_kernels.upcast_linear}
         with torch.inference_mode():
-            times = {k: _seconds(lambda w, f=fns[k]: f(x, w, None),
-                                 packed() if k == "onednn" and prepack else weights, repeats)
-                     for k in kernels}
+            times = _best_of({k: (lambda w, f=fns[k]: f(x, w, None)) for k in kernels},
+                             {k: (packed() if k == "onednn" and prepack else weights)[:count] for k in kernels}, most)
         store.put(key, times)
     return times

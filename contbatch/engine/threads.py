@@ -4,9 +4,8 @@ Every thread that runs parallel torch ops gets its own OpenMP worker pool, and t
 outlive their work. The user's thread has usually run torch ops before it starts an engine
 (loading the model), so the engine thread becomes a second pool on the same cores. libgomp
 then counts more managed threads than CPUs and stops spinning between parallel regions: every
-op of the forward pays a futex sleep and wake-up. Measured on a 2-core machine: one 64-token
-forward of the default model 109 ms on the main thread, 175 ms on the engine thread, and ~120
-voluntary context switches per forward against none (`benchmarks/thread_forward.py`).
+op of the forward pays a futex sleep and wake-up, and a forward on the engine thread ran far
+slower than the same on the main thread (`benchmarks/thread_forward.py` measures it).
 
 `release_openmp_pool()` frees the calling thread's pool (`omp_pause_resource_all`, OpenMP
 5.0), so that the engine thread's is the only one. A thread that later runs parallel torch

@@ -42,9 +42,9 @@ PATHS = ("decode", "varlen")
 # regions: each layer would be traced anyway, after a guard check against every earlier kind.
 MAX_REGION_KINDS = 8
 REGION_REUSE_ENTRIES = 1024
-# The default level, by measurement: level 1 ran 0.78-1.11x the eager step's throughput on the
-# CPUs measured, after tens of seconds of compiling at a first start (docs/cpu.md has the figures,
-# machine by machine). So eager stays the default. On a GPU the step runs in CUDA graphs already.
+# The default level, by measurement: level 1 was no faster than the eager step on the CPUs
+# measured, after a long compile at a first start (docs/cpu.md has the figures, machine by
+# machine). So eager stays the default. On a GPU the step runs in CUDA graphs already.
 DEFAULT_LEVEL = 0
 DEFAULT_LEVEL_RULE = ("compile level 0 by default: level 1 measured 0.78-1.11x eager throughput on the CPU, "
                       "machine by machine, for 25-35 s of compiling at a first start and 10-15 s at later ones "

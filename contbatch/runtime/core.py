@@ -135,6 +135,9 @@ class EngineCore:
         # Offloaded blocks may already be promised to others: copy out before anything else.
         for off in plan.offloaded:
             self.host.copy_out(off.state.request_id, off.blocks, off.num_tokens)
+        copies = self.cache.block_manager.take_copies()  # partial prefix hits (block_manager.py)
+        if copies:
+            self.host.copy_prefix(copies)
         for state in plan.restored:
             self.host.copy_in(state.request_id, self.cache.block_manager.table(state.request_id))
 
@@ -241,6 +244,9 @@ class EngineCore:
             return
         if upto // bs != state.committed_tokens // bs:
             self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
+        prompt = len(state.prompt_ids)
+        if state.committed_tokens < prompt <= upto:  # the prompt is in: its partly filled block too
+            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, prompt)
         state.committed_tokens = upto
 
     def _settle(self, state: RequestState) -> None:
@@ -307,6 +313,9 @@ class EngineCore:
         if status is not None and not state.status.is_done:
             kind = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}[status]
             state.finish(status, kind, reason)
+        if state.status is not RequestStatus.FAILED and not state.stale_kv:
+            # What it computed stays reusable token by token (the next turn of a chat).
+            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, state.committed_tokens)
         self.scheduler.remove(state.request_id)
         if self.speculator is not None:
             self.speculator.forget(state.request_id)

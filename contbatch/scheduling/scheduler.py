@@ -15,6 +15,10 @@ from ..cache.block_manager import BlockManager
 from ..cache.offload import HostKVTier
 from ..requests import RequestState, RequestStatus
 
+# A new request waits a step for a prompt being computed that shares at least this many of the
+# tokens it would compute next (less than a block): fewer are not worth a step's wait.
+PARTIAL_HOLD_TOKENS = 32
+
 
 @dataclass
 class ScheduledChunk:
@@ -75,8 +79,9 @@ class Scheduler:
         self.soft_resets = 0
         self.offloads = 0
         self.restores = 0
-        # In-burst prefix dedup: a new request whose next uncached prompt block is being
-        # computed right now by another request waits for it instead of computing it again.
+        # In-burst prefix dedup: a new request whose next uncached prompt block (or a good part
+        # of it) is being computed right now by another request waits for it instead of
+        # computing it again.
         self.hold_shared_prefixes = hold_shared_prefixes and block_manager.allow_block_sharing
         self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes
         self.held_for_prefix = 0  # steps whose admissions stopped at a request waiting for its prefix
@@ -263,12 +268,24 @@ class Scheduler:
 
     def _prefix_in_progress(self, state: RequestState, in_progress: set[int]) -> bool:
         """True when the first prompt block this request would have to compute is one another
-        request is computing: one step of waiting is cheaper than computing it twice."""
-        if not in_progress:
-            return False
+        request is computing, or when a prompt being computed shares at least
+        PARTIAL_HOLD_TOKENS of that block's tokens (reused as a partial hit once it is in):
+        one step of waiting is cheaper than computing them twice."""
         hashes = self._prompt_hashes(state)
         cached = self.block_manager.cached_blocks(state.prompt_ids, hashes)
-        return cached < len(hashes) and hashes[cached] in in_progress
+        if cached < len(hashes) and hashes[cached] in in_progress:
+            return True
+        bs = self.block_manager.block_size
+        start = cached * bs
+        mine = state.prompt_ids[start : start + bs]
+        if len(mine) <= PARTIAL_HOLD_TOKENS:  # too little left to gain from waiting
+            return False
+        for other in self.running.values():
+            if other.committed_tokens < len(other.prompt_ids) and len(other.prompt_ids) > start + PARTIAL_HOLD_TOKENS \
+                    and other.prompt_ids[:start] == state.prompt_ids[:start] \
+                    and other.prompt_ids[start : start + PARTIAL_HOLD_TOKENS] == mine[:PARTIAL_HOLD_TOKENS]:
+                return True
+        return False
 
     def _grow_running(self, state: RequestState, want: int, scheduled: set[str], plan: StepPlan) -> int:
         """Get blocks for `want` tokens of a running request, preempting newer work if needed.
