@@ -64,6 +64,9 @@ def test_tp2_greedy_equals_single_process_and_drains(tiny_dir, tmp_path, referen
     model, _ = reference
     expected = [reference_generate(model, p, 12) for p in res["prompts"]]
     assert res["tokens"] == expected and res["statuses"] == ["finished"] * len(expected)
+    # The first prompt heads the long request's prompt: it is reused from that request's blocks,
+    # its last partly filled one copied on every rank (a host op sent with the step).
+    assert res["cached_tokens"][0] == len(res["prompts"][0]) - 1 and (len(res["prompts"][0]) - 1) % 4
     single = generate_batch(model, res["prompts"], None,
                             ContinuousBatchingConfig(block_size=4, max_batch_tokens=48, num_blocks=256),
                             progress_bar=False, sampling_params=SamplingParams(max_new_tokens=12, ignore_eos=True))

@@ -49,7 +49,8 @@ def scenario_generate(manager, model, args) -> dict:
     outs = [manager.get_result(rid, timeout=5) for rid in ids]
     cancelled = manager.get_result(victim, timeout=5)
     return {"prompts": ps, "tokens": [o.generated_tokens for o in outs], "statuses": [o.status.value for o in outs],
-            "cancelled": cancelled.status.value, "cancelled_tokens": len(cancelled.generated_tokens)}
+            "cancelled": cancelled.status.value, "cancelled_tokens": len(cancelled.generated_tokens),
+            "cached_tokens": [o.cached_tokens for o in outs]}
 
 
 def scenario_pressure(manager, model, args) -> dict:
