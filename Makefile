@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: run test test-all bench setup clean
+.PHONY: run test test-all bench bench-peers setup clean gpu-bundle
 
 setup: $(STAMP)
 
@@ -38,5 +38,15 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/offline.py --results-md benchmarks/RESULTS.md
 
+# The benchmarks' peers (vLLM CPU in its own venv, llama.cpp's server, shared model files) under
+# benchmarks/peers/.work; idempotent, never part of `make test`. See benchmarks/peers/__init__.py.
+bench-peers: $(STAMP)
+	$(PY) benchmarks/peers/setup_peers.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# What a GPU machine without network needs for benchmarks/gpu_check.sh, in .gpu_bundle/ (<= 64 MiB,
+# git-ignored, carried with the tree): wheels of our pins beyond torch/triton, the model config.
+gpu-bundle: $(STAMP)
+	$(PY) benchmarks/gpu_check_bundle.py --out .gpu_bundle

@@ -193,6 +193,33 @@ class Report:
             tmp.replace(self.out_dir / name)
 
 
+def unverified(data: dict) -> list[str]:
+    """Every promised row that was not verified, read from the results alone (not from the parts'
+    own verdicts): an exactness row not PASS, a throughput row not ok, without the tokens it
+    checked, or (contbatch) whose bf16 tokens disagree with `model.generate`; rows missing."""
+    out = []
+    ex = data.get("exactness") or {}
+    rows = ex.get("rows", [])
+    if not ex.get("promised") or len(rows) != ex["promised"]:
+        out.append(f"exactness: {len(rows)} rows of {ex.get('promised', '?')} promised")
+    out += [f"exactness {r.get('model')} bs={r.get('block_size')} {r.get('requested')}: {r.get('status')}"
+            for r in rows if r.get("status") != "PASS"]
+    tp = data.get("throughput") or {}
+    rows = tp.get("rows", [])
+    if not tp.get("promised") or len(rows) != tp["promised"]:
+        out.append(f"throughput: {len(rows)} rows of {tp.get('promised', '?')} promised")
+    for r in rows:
+        where = f"throughput {r.get('model')} n={r.get('requests')} {r.get('system')}"
+        checked = r.get("tokens_checked") or {}
+        if r.get("status") != "ok":
+            out.append(f"{where}: {r.get('status')}")
+        elif checked.get("output_tokens") != checked.get("expected") or "bf16_vs_generate" not in checked:
+            out.append(f"{where}: tokens not checked")
+        elif str(r.get("system", "")).startswith("contbatch") and not checked["bf16_vs_generate"].get("ok"):
+            out.append(f"{where}: bf16 tokens differ from model.generate")
+    return out
+
+
 def merge(out_dir: Path) -> int:
     """Combine the parts' JSON files (written by separate processes, so that a crashed kernel or a
     poisoned CUDA context in one part cannot take the other down) into gpu_results.{json,md}."""
@@ -215,6 +242,10 @@ def merge(out_dir: Path) -> int:
         failed |= bool(d.get("failed")) or not status.startswith("finished")
         if not status.startswith("finished"):
             data["errors"].append(f"part {part}: {status}")
+    missing = unverified(data)
+    data["unverified"] = missing
+    data["errors"] += [f"not verified: {m}" for m in missing]
+    failed |= bool(missing)
     data["failed"] = failed
     data["status_line"] = "SOME CHECKS FAILED OR DID NOT FINISH" if failed else "all checks passed"
     (out_dir / "gpu_results.json").write_text(json.dumps(data, indent=1, default=str))

@@ -23,6 +23,7 @@ from transformers import GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness as H  # noqa: E402
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager  # noqa: E402
+from contbatch.cpu import native  # noqa: E402
 from contbatch.runtime import core, step_runner  # noqa: E402
 from contbatch.scheduling import scheduler  # noqa: E402
 
@@ -58,11 +59,14 @@ def tiny_model() -> torch.nn.Module:
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
 
 
-def measure(model, batch: int, new_tokens: int, totals: dict[str, float], backend: str = "reference") -> dict[str, float]:
+def measure(model, batch: int, new_tokens: int, totals: dict[str, float], backend: str = "reference",
+            cpu_kernels: str = "off") -> dict[str, float]:
     totals.clear()
     prompts = [[(7 * i + j) % 500 + 1 for j in range(16)] for i in range(batch)]
     gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
-    config = ContinuousBatchingConfig(block_size=16, attention_backend=backend, use_async_batching=backend != "torch")
+    # cpu_kernels="off": PyTorch's own ops, so a fresh machine (the GPU check's) builds no C++ kernels.
+    config = ContinuousBatchingConfig(block_size=16, attention_backend=backend, use_async_batching=backend != "torch",
+                                      cpu_kernels=cpu_kernels)
     manager = ContinuousBatchingManager(model, gc, config)
     manager.start()
     for rid in manager.add_requests(prompts):
@@ -80,17 +84,22 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
     p.add_argument("--backend", default="reference", choices=["reference", "torch"])
+    p.add_argument("--cpu-kernels", default="off", choices=["off", "auto"],
+                   help="our C++ CPU kernels (auto builds them on first use); off: PyTorch's ops")
     args = H.parse(p)
+    if args.cpu_kernels == "off":  # nothing built: the sampler's argmax and cache writes take PyTorch's ops too
+        native.disable("host_overhead.py --cpu-kernels off")
     torch.set_num_threads(1)
     totals: dict[str, float] = {}
     instrument(totals)
     model = tiny_model()
-    measure(model, 8, 4, totals)  # warm-up
+    measure(model, 8, 4, totals, args.backend, args.cpu_kernels)  # warm-up
     load = H.LoadRange()
     print(f"load average (1 min) {load.values[0]:.2f} before; CPU ms per step (best of {args.repeats})")
     table = H.Table(["requests", "host", "schedule", "build", "launch", "sample", "apply", "forward"])
     for batch in args.batches:
-        runs = (measure(model, batch, args.new_tokens, totals, args.backend) for _ in range(args.repeats))
+        runs = (measure(model, batch, args.new_tokens, totals, args.backend, args.cpu_kernels)
+                for _ in range(args.repeats))
         best = min(runs, key=lambda r: r["host"])
         launch_only = best["launch"] - best["forward"]
         row = [best["host"], best["schedule"], best["build"], launch_only, best["sample"], best["apply"], best["forward"]]

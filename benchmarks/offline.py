@@ -1,4 +1,5 @@
-"""Offline throughput: contbatch vs transformers' continuous batching vs padded `generate`, on CPU.
+"""Offline throughput: contbatch vs transformers' continuous batching vs padded `generate` vs
+vLLM's CPU engine (once `make bench-peers` has set it up), on CPU.
 
 Every request is there at the start. For each dtype and each workload (fixed or mixed
 lengths x prompts cut from one text or built with the chat template) the run:
@@ -21,7 +22,9 @@ each system also runs the same prompt for one new token in every round, and (new
 (the difference of the two walls) is its decode rate, start-up and prefill left out alike.
 
 Wall times include each system's start-up (cache allocation, thread start), because that is
-what a user pays. The parts: `offline_workloads.py` (prompts, lengths), `offline_systems.py`
+what a user pays; vLLM, run in its own process (`peers/`), pays its start-up once per setting,
+and its wall is `generate` alone. `--model smollm2-135m | qwen2.5-0.5b-shape` loads the peers'
+shared model folders (the same weights for every system). The parts: `offline_workloads.py` (prompts, lengths), `offline_systems.py`
 (the three systems' runs), `offline_sweep.py` (each at its best), `offline_measure.py` (the
 timed rounds, floors, single stream), `offline_report.py` (tables, markdown); load sampling,
 the noisy rule, interleaving, statistics and output are the shared `harness/`.
@@ -43,14 +46,15 @@ import harness as H  # noqa: E402
 from offline_measure import bench_scenario, bench_single, measure_ceilings  # noqa: E402
 from offline_report import markdown, scenario_table, single_table  # noqa: E402
 from offline_sweep import run_sweep  # noqa: E402
-from offline_systems import FAMILIES, Config  # noqa: E402
+from offline_systems import FAMILIES, Config, peers_ready  # noqa: E402
 from offline_workloads import Workload, make_new_tokens, make_prompts  # noqa: E402
+from peers import paths as peer_paths, vllm_offline  # noqa: E402
 
 
 def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
     dtype = getattr(torch, dtype_name)
     t_start = time.perf_counter()
-    model, tok = H.load(args.model, dtype)
+    model, tok = H.load(args.model, dtype)  # a peer model's name is its folder (parse_args)
     attn = model.config._attn_implementation
     is_fp32 = dtype == torch.float32
 
@@ -83,7 +87,10 @@ def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
                     best_by_kind[kind][fam], sweeps[fam] = run_sweep(model, tok, wl, fam, args.sweep, between,
                                                                      not args.no_warmup, log)
             flops = 2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
-            res = bench_scenario(model, tok, wl, args, best_by_kind[kind], flops, between, log)
+            try:
+                res = bench_scenario(model, tok, wl, args, best_by_kind[kind], flops, between, log)
+            finally:
+                vllm_offline.close_all()
             res.update(workload=wl.describe(), prompt_tokens=wl.prompt_tokens, generated_tokens=wl.generated_tokens,
                        sweep=sweeps, sweep_on=f"{kind}/{args.sources[0]}",
                        elapsed_s=time.perf_counter() - t0, reference=is_fp32)
@@ -92,7 +99,11 @@ def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
     if args.single_new_tokens:
         log(f"\n-- {dtype_name} single stream: 1 request of {len(prompts[args.sources[0]][0])} prompt tokens, "
             f"{args.single_new_tokens} new tokens")
-        out["single"] = bench_single(model, tok, prompts[args.sources[0]][0], args, ceilings, is_fp32, between, log)
+        try:
+            out["single"] = bench_single(model, tok, prompts[args.sources[0]][0], args, ceilings, is_fp32, between, log,
+                                         best_by_kind.get(args.workloads[0]))
+        finally:
+            vllm_offline.close_all()
         log(single_table(out["single"]))
     out["elapsed_s"] = time.perf_counter() - t_start
     model = None  # the next dtype's model is loaded into freed memory
@@ -102,11 +113,13 @@ def bench_dtype(dtype_name: str, args, monitor: H.LoadMonitor, log) -> dict:
 
 def parse_args(argv=None):
     p = H.parser(__doc__, show_defaults=True)
-    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="local HF folder or .gguf, or a peer model set up by `make bench-peers`: "
+                   f"{', '.join(peer_paths.MODELS)} (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--workloads", default="fixed,mixed", help="comma list of: fixed, mixed")
     p.add_argument("--prompts", dest="sources_arg", default="text,chat", help="comma list of: text, chat")
-    p.add_argument("--systems", default=",".join(FAMILIES), help=f"comma list of: {', '.join(FAMILIES)}")
+    p.add_argument("--systems", default=None, help=f"comma list of: {', '.join(FAMILIES)} (default: all; vllm only "
+                   "once `make bench-peers` has set it up)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--min-len", type=int, default=16, help="prompt (or chat user text) length, tokens")
     p.add_argument("--max-len", type=int, default=512)
@@ -123,7 +136,15 @@ def parse_args(argv=None):
     args = H.parse(p, argv)
     if args.quick and args.sweep == "full":
         args.sweep = "quick"
+    if args.systems is None:
+        args.systems = ",".join(f for f in FAMILIES if f != "vllm" or peers_ready())
+        if not peers_ready():
+            print("systems: vllm left out (its venv is not set up: `make bench-peers`)")
     args.families = H.comma_list(args.systems, allowed=FAMILIES, p=p, what="systems")
+    if "vllm" in args.families and not peers_ready():
+        p.error("vllm asked for but not set up: run `make bench-peers` first")
+    if args.model not in (None, "default"):
+        args.model = str(peer_paths.resolve_model(args.model))
     args.sources = H.comma_list(args.sources_arg, allowed=("text", "chat"), p=p, what="prompt sources")
     args.compile_levels = H.comma_list(args.compile_levels, int)
     args.workloads = H.comma_list(args.workloads, allowed=("fixed", "mixed"), p=p, what="workloads")

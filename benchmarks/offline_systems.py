@@ -5,6 +5,11 @@
 - `tf-cb`: transformers' own continuous batching (`ContinuousBatchingConfig`, what its
   `generate_batch` uses), `num_blocks` sized for the workload; knobs `max_batch_tokens`, `page_size`.
 - `padded`: `model.generate` with left padding; knobs batch size and length sorting.
+- `vllm`: vLLM's CPU engine, `vllm.LLM(...).generate` on the same token ids in a fresh process
+  of the peers' venv (`peers/vllm_offline.py`), on the same weights (the loaded model's folder);
+  knobs in `peers/knobs.py` (thread binding, preloads, max_num_batched_tokens, max_num_seqs).
+  Its start-up is paid once per setting (as a `vllm.LLM` user pays it) and each run times
+  `generate` alone on that process's main thread. Left out when `make bench-peers` has not run.
 
 A `Config` is a family and its non-default knobs; `runner()` returns the timed run of one.
 Wall times include each system's start-up, because that is what a user pays.
@@ -16,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil
+from pathlib import Path
 
 import torch
 import transformers
@@ -24,16 +30,20 @@ from transformers import GenerationConfig
 import contbatch
 import harness as H
 from offline_workloads import Workload
+from peers import knobs, paths, vllm_offline
 
-FAMILIES = ("contbatch", "tf-cb", "padded")
-PEERS = ("tf-cb", "padded")
-FAMILY_TITLE = {"contbatch": "contbatch", "tf-cb": "transformers generate_batch", "padded": "padded generate"}
+FAMILIES = ("contbatch", "tf-cb", "padded", "vllm")
+PEERS = ("tf-cb", "padded", "vllm")
+EXTERNAL = ("vllm",)  # other engines: posted with their token check shown, not held to our exactness rule
+FAMILY_TITLE = {"contbatch": "contbatch", "tf-cb": "transformers generate_batch", "padded": "padded generate",
+                "vllm": "vLLM (CPU)"}
 ATTENTION = {
     "contbatch": "torch backend with our C++ kernels: every prompt chunk of a step in one call, every decode row in "
                  "another, both reading K/V in place through the block tables",
     "tf-cb": "sdpa: a dense [batch tokens x (cache tokens + batch tokens)] mask built every step, attention over the "
              "whole batch's keys",
     "padded": "sdpa over the padded batch, [B, 1, q, k] mask",
+    "vllm": "vLLM's CPU attention backend over its own paged KV cache (prefix caching on, chunked prefill)",
 }
 TF_DEFAULT_PAGE = 256  # transformers' default page_size
 
@@ -159,7 +169,35 @@ def run_padded(model, tok, wl: Workload, cfg: Config) -> H.Sample:
         "padding": 1 - wl.prompt_tokens / positions, "wasted_decode": 1 - wl.generated_tokens / decode_slots})
 
 
+def model_folder(model) -> str:
+    """The folder the loaded model came from: the peers load the same weights from it."""
+    folder = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise ValueError(f"the model was not loaded from a safetensors folder ({folder}): peers need one "
+                         f"(--model smollm2-135m or qwen2.5-0.5b-shape after `make bench-peers`)")
+    return str(folder)
+
+
+def peers_ready() -> bool:
+    """Whether `make bench-peers` has set up the peers' venv."""
+    return paths.venv_python().is_file()
+
+
+def run_vllm(model, wl: Workload, cfg: Config) -> H.Sample:
+    """`LLM.generate` in the kept worker of this setting; a fresh worker first runs one untimed
+    two-token request (the rest of its start-up), so every timed run is a warm engine's."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    w = vllm_offline.worker(model_folder(model), dtype, dict(cfg.params))
+    if w.proc is None:
+        w.run([wl.prompts[0]], [2])
+    wall, tokens = w.run(wl.prompts, list(wl.max_new))
+    return H.Sample(wall, sum(map(len, tokens)), tokens,
+                    {"resolved": f"{knobs.label(dict(cfg.params))}; start-up {w.startup_s:.0f} s (not in the wall)"})
+
+
 def runner(model, tok, wl: Workload, cfg: Config) -> Callable[[], H.Sample]:
+    if cfg.family == "vllm":
+        return lambda: run_vllm(model, wl, cfg)
     if cfg.family == "contbatch":
         return lambda: run_contbatch(model, wl, cfg)
     if cfg.family == "tf-cb":

@@ -10,7 +10,17 @@ Several servers, already running, compared under the shared harness (`harness/`)
     python benchmarks/serve.py --compare contbatch=http://127.0.0.1:8000/v1 \\
         tf-serve=http://127.0.0.1:8001/v1 --num-prompts 64 --max-concurrency 1 16 --repeats 3
 
-With `--compare`, each server is a system: one untimed warm-up pass (every load level), then
+Or started here, each on its own port with the same weights (`make bench-peers` sets the peers up),
+each peer's knobs swept first (`--sweep`, `peers/knobs.py`), then compared as below:
+
+    python benchmarks/serve.py --launch contbatch vllm:bind=all,preload=true llamacpp:np=32,quant=F32 \
+        --peer-model smollm2-135m --max-concurrency 32 --repeats 3 --sweep full
+
+`--workload ttft-prefix` replaces the throughput levels by the shared-system-prompt TTFT
+workload (`peers/ttft.py`: system prompts of 30, 100, 300 and 1000 tokens; a lone request and
+32 concurrent, TTFT p50 and p99). One request decoding is `--max-concurrency 1` (TPOT p50).
+
+With `--compare` or `--launch`, each server is a system: one untimed warm-up pass (every load level), then
 `--repeats` interleaved rounds, the first server rotated each round; output tok/s and TTFT /
 TPOT p50 are reported as median [min, max] per load level, with ratios against each other
 server. The servers' processes (found by their listening port, or `--pids`) count as the
@@ -31,6 +41,8 @@ from urllib.parse import urlparse
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as H  # noqa: E402
+import serve_launch  # noqa: E402
+from peers import paths as peer_paths  # noqa: E402
 
 
 def pids_listening_on(port: int) -> list[int]:
@@ -103,15 +115,22 @@ def compare(argv: list[str]) -> int:
 
     p = H.parser(__doc__, prog="benchmarks/serve.py --compare")
     add_arguments(p)
-    p.add_argument("--compare", nargs="+", required=True, metavar="NAME=URL", help="servers to compare (their /v1 URLs)")
+    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=URL", help="running servers to compare (/v1 URLs)")
+    serve_launch.add_arguments(p)
     p.add_argument("--pids", nargs="*", default=[], metavar="NAME=PID",
                    help="server processes, when not found by their port (their CPU counts as ours)")
     p.add_argument("--check-prompts", type=int, default=8, help="prompts checked against model.generate (0: none)")
     p.add_argument("--reference-model", default="default", help="'default' (embedded model) or a local folder")
     H.add_common_args(p, quick="smoke run: 1 repeat unless --repeats is given")
     args = H.parse(p, argv)
+    if not args.compare and not args.launch:
+        p.error("give --compare NAME=URL ... and/or --launch SYSTEM[:knobs] ...")
     servers = dict(s.split("=", 1) for s in args.compare)
     names = {n: args.model or _discover_model(u, args.api_key) for n, u in servers.items()}
+    if args.launch:
+        args.tokenizer = args.tokenizer or str(peer_paths.model_dir(args.peer_model))
+        if args.reference_model == "default":
+            args.reference_model = str(peer_paths.model_dir(args.peer_model))
     tokenizer = _tokenizer(args.tokenizer)
     if args.dataset == "random":
         requests = random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
@@ -119,6 +138,31 @@ def compare(argv: list[str]) -> int:
         requests = shared_prefix_dataset(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len,
                                          args.suffix_len, args.output_len, args.seed)
     loads = [Load(r, c) for r in _rates(args.request_rate) for c in (args.max_concurrency or [None])]
+    plan = serve_launch.ttft_plan(args) if args.workload == "ttft-prefix" else None
+    passes = iter(range(1, 1 << 30))
+
+    def one_pass_at(url: str, name: str) -> dict:
+        ep = Endpoint(url, name, args.endpoint == "chat", args.api_key, args.ignore_eos, args.temperature)
+        if plan is not None:  # fresh texts each pass: only the system prompts are shared
+            return serve_launch.ttft_pass(ep, tokenizer, plan, args.seed + next(passes), args.timeout)
+        out = {}
+        for load in loads:
+            results, duration = asyncio.run(run_level(ep, requests, load, args.seed, args.timeout, progress=False))
+            out[load.label()] = level_stats(load, results, duration)
+        return out
+
+    launched, sweeps = serve_launch.start_all(args, one_pass_at, log=lambda s: print(s, flush=True))
+    try:
+        return _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan, one_pass_at)
+    finally:
+        for server in launched.values():
+            server.stop()
+
+
+def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan, one_pass_at) -> int:
+    """Check, then time the servers interleaved, and report (the launched ones are running)."""
+    for label, server in launched.items():
+        servers[label], names[label] = server.url, server.name
     pids = [int(x.split("=", 1)[1]) for x in args.pids]
     for url in servers.values():
         pids += pids_listening_on(urlparse(url).port or 80)
@@ -128,79 +172,86 @@ def compare(argv: list[str]) -> int:
           f"load average before: {monitor.before[0]:.2f}", flush=True)
     monitor.warn_if_loaded()
     checks = check_servers(servers, names, requests, args)
-
-    def one_pass(name: str) -> dict:
-        ep = Endpoint(servers[name], names[name], args.endpoint == "chat", args.api_key, args.ignore_eos,
-                      args.temperature)
-        out = {}
-        for load in loads:
-            results, duration = asyncio.run(run_level(ep, requests, load, args.seed, args.timeout, progress=False))
-            out[load.label()] = level_stats(load, results, duration)
-        return out
+    ceilings = [serve_launch.measure_ceilings(args.reference_model)]
 
     def system(name: str):
         def run() -> H.Sample:
             t = time.perf_counter()
-            levels = one_pass(name)
+            levels = one_pass_at(servers[name], names[name])
             toks = sum(lv["total_output_tokens"] for lv in levels.values())
             return H.Sample(time.perf_counter() - t, toks, None, {"levels": levels})
         return run
 
     samples = H.run_interleaved({n: system(n) for n in servers}, args.repeats, warmup=not args.no_warmup,
                                 worker=False, log=lambda s: print(s, flush=True))
+    ceilings.append(serve_launch.measure_ceilings(args.reference_model))
     load = monitor.stop()
     print("\n" + H.load_line(load))
 
-    def spread(name: str, level: str, key: str) -> H.Spread | None:
+    def spread(name: str, level: str, key: str, pct: str = "p50_ms") -> H.Spread | None:
         vals = []
         for s in samples[name]:
             lv = s.extra["levels"][level]
-            v = lv[key] if key == "output_throughput" else lv[key]["p50_ms"]
+            v = lv[key] if key == "output_throughput" else lv[key][pct]
             if v is None or lv["failed"]:
                 return None
             vals.append(v)
         return H.Spread.of(vals)
 
+    # Other engines (launched vLLM / llama.cpp) are posted with their text check shown: their
+    # kernels (and llama.cpp's quant types) are not ours to hold to `generate`'s text.
+    external = {label for label, srv in launched.items() if srv.system != "contbatch"}
+    exact = {n: checks[n].get("mismatch", 0) == 0 or n in external for n in servers}
     body, rows = [], []
-    for load_ in loads:
-        level = load_.label()
+    levels = serve_launch.level_names(plan) if plan is not None else [ld.label() for ld in loads]
+    for level in levels:
         for name in servers:
-            ok = checks[name].get("mismatch", 0) == 0
+            ok = exact[name]
             tput = spread(name, level, "output_throughput")
             cells = [name, level, H.check_label(checks[name])]
             cells.append(tput.fmt() if tput and ok else ("not posted" if not ok else "failed requests"))
-            for key in ("ttft", "tpot"):
-                sp = spread(name, level, key)
+            for key, pct in (("ttft", "p50_ms"), ("ttft", "p99_ms"), ("tpot", "p50_ms")):
+                sp = spread(name, level, key, pct)
                 cells.append(sp.fmt(".0f") if sp and ok else "-")
+            mm_floor, wr_floor = serve_launch.floors(ceilings, samples[name][0].extra["levels"][level])
+            tpot = spread(name, level, "tpot")
+            cells.append(f"{tput.median / mm_floor:.0%}" if tput and ok else "-")
+            cells.append(f"{1000 / tpot.median / wr_floor:.0%}" if tpot and ok else "-")
             for other in servers:
                 if other == name:
                     continue
                 o = spread(other, level, "output_throughput")
-                o_ok = checks[other].get("mismatch", 0) == 0
+                o_ok = exact[other]
                 cells.append(f"vs {other}: " + (H.fmt_ratio(H.ratio(tput, o)) if tput and o and ok and o_ok else "-"))
             body.append(cells)
+            ttft = spread(name, level, "ttft")
             rows.append({"server": name, "level": level, "check": checks[name],
-                         "output_tok_s": tput.as_dict() if tput else None})
-    headers = ["server", "load", "text vs reference", "output tok/s median [min, max]", "TTFT p50 ms", "TPOT p50 ms",
-               "ratios (output tok/s)"]
-    body = [row[:6] + ["; ".join(row[6:])] for row in body]
-    table = H.md_table(headers, body, [False, False, False, True, True, True, False])
+                         "output_tok_s": tput.as_dict() if tput else None, "ttft_p50_ms": ttft.as_dict() if ttft else None})
+    headers = ["server", "load", "text vs reference", "output tok/s median [min, max]", "TTFT p50 ms", "TTFT p99 ms",
+               "TPOT p50 ms", "of matmul floor", "decode of weight-read floor", "ratios (output tok/s)"]
+    body = [row[:9] + ["; ".join(row[9:])] for row in body]
+    table = H.md_table(headers, body, [False, False, False, True, True, True, True, True, True, False])
     print(table)
     md = H.report_header("online serving comparison (`benchmarks/serve.py --compare`)", machine, load,
                          args.noise_threshold)
+    workload = (serve_launch.describe_ttft(plan) if plan is not None else
+                f"{args.num_prompts} prompts ({args.dataset}, input {args.input_len}, output {args.output_len})")
     md += ["Servers: " + ", ".join(f"{n} at {u} (model `{names[n]}`)" for n, u in servers.items()) + ". "
-           f"{args.num_prompts} prompts ({args.dataset}, input {args.input_len}, output {args.output_len}, "
-           f"{args.endpoint}, streaming, temperature {args.temperature}); {args.repeats} timed passes per server, "
-           f"interleaved, after one untimed warm-up pass each.\n", table]
+           f"{workload}, {args.endpoint}, streaming, temperature {args.temperature}; {args.repeats} timed passes per "
+           f"server, interleaved, after one untimed warm-up pass each.\n", table]
+    md += [serve_launch.ceilings_line(ceilings)] + serve_launch.sweep_markdown(sweeps)
     report = {"benchmark": "serve-compare", "command": H.command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "machine": machine, "load": load, "servers": servers, "checks": checks, "rows": rows,
+              "machine": machine, "load": load, "servers": servers, "checks": checks, "rows": rows, "sweeps": sweeps,
+              "ceilings": ceilings,
+              "launched": {n: {"system": s.system, "setting": s.setting, "startup_s": s.startup_s, "log": str(s.log)}
+                           for n, s in launched.items()},
               "runs": {n: [s.extra["levels"] for s in ss] for n, ss in samples.items()}}
     H.write_outputs(args, report, "\n".join(md))
     return 0
 
 
 def main() -> int:
-    if "--compare" in sys.argv[1:]:
+    if {"--compare", "--launch"} & set(sys.argv[1:]):
         return compare(sys.argv[1:])
     from contbatch.bench.cli import main as bench_main
 

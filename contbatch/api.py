@@ -58,12 +58,15 @@ def generate_batch(
     progress_bar: bool = True,
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     tokenizer=None,
+    lora_adapters: dict[str, str] | None = None,
+    adapters: Sequence[str | None] | None = None,
 ) -> dict[str, GenerationOutput]:
     """Generate for every input and wait; results keyed `req_0`, `req_1`, ... in input order.
 
     `sampling_params` is one `SamplingParams` for all inputs or a list, one per input; a
     `tokenizer` adds decoded text (and enables stop strings). Requests that fail are returned
-    with status FAILED and their error, never dropped.
+    with status FAILED and their error, never dropped. `lora_adapters` ({name: PEFT adapter
+    directory}) are loaded first; `adapters` names one of them, or None, per input.
     """
     inputs = [as_token_ids(x) for x in inputs]  # BatchEncodings, tensors: lengths for the hints
     per_input = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
@@ -75,7 +78,9 @@ def generate_batch(
     ids = [f"req_{i}" for i in range(len(inputs))]
     results: dict[str, GenerationOutput] = {}
     with continuous_batching(model, generation_config, config, tokenizer) as manager:
-        manager.add_requests(inputs, request_ids=ids, sampling_params=sampling_params)
+        for name, path in (lora_adapters or {}).items():
+            manager.load_adapter(name, path)
+        manager.add_requests(inputs, request_ids=ids, sampling_params=sampling_params, adapters=adapters)
         with tqdm(total=len(ids), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
             while len(results) < len(ids):
                 out = manager.get_result(timeout=1.0)

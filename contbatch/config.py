@@ -15,6 +15,7 @@ from .cpu import knobs
 
 if TYPE_CHECKING:
     from .cpu.plan import CpuPlan
+    from .setup.quantize import QuantSummary
 
 MIN_BLOCK_SIZE = 4
 DEFAULT_BLOCK_SIZE = 256
@@ -116,6 +117,10 @@ class ContinuousBatchingConfig:
     # Speculative decoding: a SpeculativeConfig (or a dict of its fields), e.g.
     # {"method": "ngram", "num_speculative_tokens": 4}; None: off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # LoRA adapters (docs/lora.md): at most `max_loras` resident at once, each of rank at most
+    # `max_lora_rank`; more may be loaded, parked in CPU memory and swapped in least recently used first.
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
@@ -157,6 +162,9 @@ class ContinuousBatchingConfig:
         self.cpu_kernel_overrides = knobs.check(self.cpu_kernels, self.cpu_kernel_overrides)
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
 
 
 # -- speculative decoding: what to propose with (vLLM's `speculative_config` names) ------------
@@ -275,8 +283,11 @@ class ResolvedConfig:
     decode_compile: CompileChoice | None = None  # None: eager
     varlen_compile: CompileChoice | None = None
     cpu: CpuPlan | None = None  # the CPU kernels in force: linear, norm, rotary, layer and prefill choices
+    quantization: QuantSummary | None = None  # quantized linear layers (setup/quantize.py), or None: float
     return_logprobs: bool = False
     speculative: SpeculativeConfig | None = None  # in force, or None
+    max_loras: int = 4  # LoRA adapters resident at once (docs/lora.md)
+    max_lora_rank: int = 64
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's
     # collectives (None: one process), and the KV heads this rank's cache holds.
     tp_size: int = 1

@@ -118,6 +118,9 @@ class RequestState:
     pending_tokens: int = 0  # trailing placeholders (async batching)
     committed_tokens: int = 0  # tokens whose blocks are published to the prefix cache
     weight_version: int = 0  # of its latest token
+    adapter: str | None = None  # LoRA adapter name, None: the base model
+    lora_slot: int = -1  # the adapter's resident slot while admitted (engine/adapters.py), -1: none
+    cache_salt: int | None = None  # mixed into its prefix-cache hashes: blocks of other adapters never match
     token_versions: list[int] | None = None  # per token, once a weight update came mid-request
     stale_kv: bool = False  # KV kept across a weight update: never published to the prefix cache
     grammar: "GrammarState | None" = None  # structured output: waits in the queue until compiled

@@ -94,6 +94,18 @@ def _check_rl(ns: dict, printed: str) -> None:
     assert manager.weight_version == 2 and printed.strip().endswith("2") and not manager.is_running()
 
 
+def _check_lora(ns: dict, printed: str) -> None:
+    """The adapter row's tokens are the merged model's (merged here), the other row the base's."""
+    from lora_adapters import merged
+    from conftest import reference_generate
+
+    base, results = ns["base"], ns["results"]
+    plain, adapted = (r.generated_tokens for r in results.values())
+    assert plain == reference_generate(base, [5, 6, 7], 8)
+    assert adapted == reference_generate(merged(base, ns["adapter_dir"]), [5, 6, 7], 8) != plain
+    assert str([plain, adapted]) in printed
+
+
 def _check_server(ns: dict, printed: str) -> None:
     choice = ns["chat"].choices[0]
     assert choice.message.content and choice.finish_reason in ("stop", "length")
@@ -125,8 +137,8 @@ def _check_responses(ns: dict, printed: str) -> None:
 
 
 # What each block promises, in the README's order (a block added there needs its check here).
-CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_server,
-          _check_tools, _check_responses]
+CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_lora,
+          _check_server, _check_tools, _check_responses]
 
 
 def test_readme_python_blocks_run(capsys):

@@ -425,7 +425,9 @@ def _check_plan(plan, sched, cfg, running_before, waiting_before, tables_before,
         table = bm.table(ids[i])
         took.append(sum(1 for b in table if b not in held_elsewhere))
         held_elsewhere.update(table)
-    free_after = bm.num_free_blocks
+    # A partial prefix hit pins its source block until the engine copies it: free again then.
+    in_tables = {b for t in bm.block_tables.values() for b in t}
+    free_after = bm.num_free_blocks + len({p.src for p in bm._pending} - in_tables)
     for k in range(len(from_waiting) - 1, -1, -1):
         free_at_admission = free_after + sum(took[k:])
         if from_waiting[k] > 0:

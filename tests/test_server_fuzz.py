@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from test_server import MODEL, start_server
 
 KEY = "fuzz-key"
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/update_weights_from_disk"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/update_weights_from_disk",
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 
 nasty_text = st.one_of(
     st.text(max_size=40),
@@ -51,6 +52,7 @@ fields = {
     "logit_bias": json_values, "seed": scalars, "structured_outputs": st.one_of(structured, json_values),
     "response_format": json_values, "tokens": st.one_of(st.lists(st.integers(-5, 60_000), max_size=6), json_values),
     "path": st.one_of(nasty_text, json_values), "inflight": st.one_of(st.sampled_from(["keep", "abort"]), scalars),
+    "lora_name": st.one_of(nasty_text, scalars), "lora_path": st.one_of(nasty_text, json_values),
     "extra": json_values,
 }
 bodies = st.one_of(
@@ -109,3 +111,4 @@ def test_a_normal_request_is_served_after_the_fuzzing(fuzzed):
     out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0)
     assert out.choices[0].text is not None and out.usage.completion_tokens >= 1
     assert fuzzed.manager.weight_version == 0  # no fuzzed body loaded weights
+    assert fuzzed.manager.list_adapters() == {}  # nor an adapter

@@ -46,6 +46,7 @@ class StepMetadata:
     max_q_len: int  # host-side bounds, for kernels whose launch needs them (flash-attn)
     max_kv_len: int
     prepared: object = None  # what the backend's `prepare` derived from the host copies
+    lora: object = None  # LoRA rows grouped by adapter slot (lora/segments.py's LoraStep), None: no adapter row
 
 
 def cache_layer(meta: StepMetadata, layer_idx: int) -> int:

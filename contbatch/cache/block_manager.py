@@ -172,13 +172,14 @@ class BlockManager:
             parent = key.hash
             yield key
 
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: list[int], salt: int | None = None) -> int:
         """Attach cached blocks holding a prefix of `token_ids` to a request with no blocks,
         then, where the prefix goes on inside a block, a fresh block with a pending copy of
         the positions it shares (see the module docstring).
 
         Returns the tokens whose KV is (or will be, before the forward) in place. The last token
-        is always left to compute: the step needs its logits.
+        is always left to compute: the step needs its logits. `salt` (a request's LoRA adapter
+        and its weight version) is the first block's parent: sequences of different salts never match.
         """
         if not self.allow_block_sharing or self.block_tables.get(request_id):
             return 0
@@ -186,8 +187,8 @@ class BlockManager:
         eligible = reusable // self.block_size
         self.prefix_queries += max(0, reusable)
         table: list[int] = []
-        parent = None
-        for key in self._keys_for(token_ids, eligible):
+        parent = salt
+        for key in self._keys_for(token_ids, eligible, parent=salt):
             block = self._by_hash.get(key.hash)
             if block is None or self._keys[block] != key:
                 break
@@ -240,9 +241,9 @@ class BlockManager:
         self._release([p.src for p in pending])
         return [(p.src, p.dst, p.num_tokens) for p in pending]
 
-    def block_hashes(self, token_ids: list[int]) -> list[int]:
+    def block_hashes(self, token_ids: list[int], salt: int | None = None) -> list[int]:
         """Chained hashes of the blocks `match_prefix` could reuse for this sequence."""
-        return [key.hash for key in self._keys_for(token_ids, (len(token_ids) - 1) // self.block_size)]
+        return [key.hash for key in self._keys_for(token_ids, (len(token_ids) - 1) // self.block_size, parent=salt)]
 
     def cached_blocks(self, token_ids: list[int], hashes: list[int]) -> int:
         """How many leading blocks of `token_ids` are in the cache now: a look, with no
@@ -254,7 +255,7 @@ class BlockManager:
                 return i
         return len(hashes)
 
-    def commit(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+    def commit(self, request_id: str, token_ids: list[int], num_computed: int, salt: int | None = None) -> None:
         """Hash the request's blocks that `num_computed` tokens have just completed."""
         if not self.allow_block_sharing:
             return
@@ -263,7 +264,7 @@ class BlockManager:
         full = min(num_computed // self.block_size, len(table))
         if full <= done or (done and self._keys[table[done - 1]] is None):  # chain cut by a reset
             return
-        parent = self._keys[table[done - 1]].hash if done else None
+        parent = self._keys[table[done - 1]].hash if done else salt
         for i, key in enumerate(self._keys_for(token_ids, full, done, parent), start=done):
             block = table[i]
             self._unpublish(block)  # its partial key, if it had one
@@ -272,7 +273,8 @@ class BlockManager:
                 self._children.setdefault(key.parent, {})[block] = None
         self._hashed[request_id] = full
 
-    def commit_partial(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+    def commit_partial(self, request_id: str, token_ids: list[int], num_computed: int,
+                       salt: int | None = None) -> None:
         """Publish the request's partly filled last block (its first `num_computed` tokens
         computed) for partial hits, when the blocks before it are published (`commit`)."""
         if not self.allow_block_sharing:
@@ -286,7 +288,7 @@ class BlockManager:
             return
         block = table[full]
         self._unpublish(block)
-        key = BlockKey(self._keys[table[full - 1]].hash if full else None, tuple(token_ids[full * bs : num_computed]))
+        key = BlockKey(self._keys[table[full - 1]].hash if full else salt, tuple(token_ids[full * bs : num_computed]))
         self._keys[block] = key
         self._children.setdefault(key.parent, {})[block] = None
 

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from .lora import add_lora_arguments, chosen_adapter, lora_adapters, refuse_unsupported
 from .options import DTYPES, add_device_arguments, add_ray_arguments, sampling_from_args
 from .prompts import BUILTIN_PROMPTS, encode, read_prompts
 
@@ -32,10 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     p.add_argument("--quiet", action="store_true")
     add_device_arguments(p)
+    add_lora_arguments(p, generate=True)
     add_ray_arguments(p)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    refuse_unsupported(args)
+    chosen_adapter(args)  # a bad --adapter fails before the model loads
     if args.ray_replicas or args.ray_address:
         from .ray import cmd_generate_ray
 
@@ -43,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from ..setup.loading import load_model
-    from .options import resolve_device
+    from .options import load_kwargs, resolve_device
     from .ranks import launch_ranks, run_as_rank
 
     status = launch_ranks(args)  # --tensor-parallel-size N: this process starts the N ranks and waits
@@ -51,7 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return status
     tp_plan = "auto" if args.tensor_parallel_size > 1 else None
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype),
-                                  device=resolve_device(args.device), tp_plan=tp_plan)
+                                  device=resolve_device(args.device), tp_plan=tp_plan, **load_kwargs(args))
     return run_as_rank(model, lambda: _generate(args, model, tokenizer))
 
 
@@ -69,7 +73,8 @@ def _generate(args: argparse.Namespace, model, tokenizer) -> int:
     params = sampling_from_args(args)
     start = time.perf_counter()
     results = generate_batch(
-        model, inputs, gen, config, progress_bar=not args.quiet, sampling_params=params, tokenizer=tokenizer
+        model, inputs, gen, config, progress_bar=not args.quiet, sampling_params=params, tokenizer=tokenizer,
+        lora_adapters=lora_adapters(args), adapters=[chosen_adapter(args)] * len(inputs) if args.lora else None,
     )
     seconds = time.perf_counter() - start
 

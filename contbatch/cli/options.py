@@ -51,6 +51,11 @@ def cpu_kernel_overrides(args: argparse.Namespace) -> dict | None:
     return overrides or None
 
 
+def load_kwargs(args: argparse.Namespace) -> dict:
+    """`load_model`'s quantization arguments from --quantization / --dequantize."""
+    return {"quantization": getattr(args, "quantization", None), "dequantize": getattr(args, "dequantize", False)}
+
+
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when present)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -68,6 +73,12 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", choices=knobs.CPU_KERNELS, default="auto",
                    help="our CPU kernels (docs/cpu.md): auto runs each where it measured faster, or matched the "
                         "module it replaces, at start-up; off keeps PyTorch's own ops")
+    p.add_argument("--quantization", choices=("int8", "int4", "int4-g32", "int4-g128", "gguf"), default=None,
+                   help="weight-only quantized linear layers on the CPU (docs/cpu.md): int8/int4 quantize at load; "
+                        "gguf serves a .gguf file (or the default model's own) at its quantization. Default: float, "
+                        "except a .gguf --model, served at its quantization")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a .gguf --model: dequantize every weight to float (the float path) instead")
     p.add_argument("--cpu-kernel-override", action="append", default=[], metavar="KEY=VALUE", type=_override,
                    help="one CPU kernel's choice on top of --cpu-kernels, for A/B runs (repeatable): "
                         + "; ".join(f"{key}={'|'.join(map(_word, values))}" for key, values in knobs.OVERRIDES.items()))
@@ -146,6 +157,7 @@ def config_from_args(args: argparse.Namespace, max_prompt_length: int | None = N
         "cpu_offload_space": getattr(args, "cpu_offload_space", None),
         "max_queue_size": getattr(args, "max_queue_size", None),
         "max_prompt_length": max_prompt_length, "max_generated_length": max_generated_length,
+        "max_loras": getattr(args, "max_loras", None), "max_lora_rank": getattr(args, "max_lora_rank", None),
     }
     return ContinuousBatchingConfig(**{k: v for k, v in given.items() if v is not None}, **gpu_config(args))
 

@@ -37,7 +37,14 @@ def _device(args: argparse.Namespace) -> str:
     return "cuda" if args.ray_num_gpus > 0 else "cpu"
 
 
+def _refuse_quantization(args: argparse.Namespace) -> None:
+    """Ray replicas and actors load the model themselves, float: quantized loading is not passed on."""
+    if getattr(args, "quantization", None) or getattr(args, "dequantize", False):
+        raise SystemExit("--quantization / --dequantize are not supported with Ray replicas or actors yet")
+
+
 def cmd_serve_ray(args: argparse.Namespace) -> int:
+    _refuse_quantization(args)
     from ray import serve
 
     from ..ray.serve import ServeOptions, drain_front, run_serve
@@ -80,6 +87,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
 
 
 def cmd_generate_ray(args: argparse.Namespace) -> int:
+    _refuse_quantization(args)
     import ray.data
     from transformers import AutoTokenizer
 

@@ -12,7 +12,8 @@ import json
 import os
 
 from ..server.settings import ServerSettings  # plain dataclasses: light
-from .options import DTYPES, add_device_arguments, config_from_args, resolve_device
+from .lora import add_lora_arguments, lora_adapters, refuse_unsupported
+from .options import DTYPES, add_device_arguments, config_from_args, load_kwargs, resolve_device
 
 ATTN_IMPLEMENTATIONS = {"contbatch_paged": "contbatch_paged", "paged": "contbatch_paged"}
 
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     add_device_arguments(p)
+    add_lora_arguments(p)
     p.add_argument("--safety-margin", type=float, default=None)
     p.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of host memory for preempted KV")
     p.add_argument("--max-queue-size", type=int, default=0,
@@ -95,6 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..setup.loading import load_model
     from .ranks import launch_ranks, run_as_rank
 
+    refuse_unsupported(args)
+    lora_adapters(args)  # duplicate names fail before the model loads
     settings = server_settings(args)
     # A context limit is a workload hint: the CPU cache and block tables are sized for it.
     config = config_from_args(args, max_prompt_length=args.max_model_len)
@@ -103,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=resolve_device(args.device),
-                                  tp_plan="auto" if args.tensor_parallel_size > 1 else None)
+                                  tp_plan="auto" if args.tensor_parallel_size > 1 else None, **load_kwargs(args))
     return run_as_rank(model, lambda: _serve(args, settings, config, model, tokenizer))  # workers: rank 0's steps
 
 
@@ -115,6 +119,8 @@ def _serve(args, settings, config, model, tokenizer) -> int:
     from ..server.draining import DrainingServer
 
     manager = ContinuousBatchingManager(model, None, config, tokenizer=tokenizer)
+    for name, path in lora_adapters(args).items():  # a bad adapter stops the start, with its reason
+        manager.load_adapter(name, path)
     app = build_app(manager, tokenizer, settings)
     banner = {
         "model": settings.model_root, "served_model_names": list(settings.served_model_names),

@@ -82,6 +82,19 @@ def load() -> tuple[bool, str]:
         return bool(_state["ok"]), str(_state["how"])
 
 
+def disable(reason: str) -> None:
+    """Keep the library unloaded in this process: `load()` reports it unavailable with `reason`
+    and every caller takes its PyTorch path. For a process that must build nothing (a benchmark
+    on a fresh machine measuring host work with `cpu_kernels="off"`); the config's `"off"` alone
+    covers the model's routers, not the sampler's argmax or the cache's writes. Once loaded, a
+    library cannot be unloaded, so this raises if it already is."""
+    with _lock:
+        if _state.get("ok"):
+            raise RuntimeError("contbatch's C++ CPU kernels are already loaded in this process")
+        _state["ok"], _state["how"] = False, f"disabled ({reason})"
+        logger.info("contbatch: C++ CPU kernels: %s", _state["how"])
+
+
 def _load() -> tuple[bool, str]:
     if hasattr(torch.ops, "contbatch_cpu") and hasattr(torch.ops.contbatch_cpu, "small_linear"):
         return True, "already loaded"

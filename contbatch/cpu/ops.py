@@ -20,6 +20,7 @@ ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2}
 
 _argmax_kernel: bool | None = None  # resolved on the first CPU call
 _fakes_registered: list[bool] = []
+_quant_fakes_registered: list[bool] = []
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -90,6 +91,30 @@ def register_linear_fakes() -> None:
         fake(lambda x, w, b, one, few, many: x.new_empty(*x.shape[:-1], w.shape[0]))
         _fakes_registered.append(True)
 
+
+
+# -- quantized linear layers (cpu/quant/) ----------------------------------------------------
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
+    """`F.linear` on a packed weight (cpu/quant/format.py's layout), float32 accumulation, for
+    float32 or bfloat16 x [..., in]: 1 to SMALL_LINEAR_MAX_ROWS rows dequantize in registers,
+    more a tile at a time into `at::linear`. Equals `F.linear(x, quant_dequantize(...), bias)` up
+    to the summation order."""
+    return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
+
+
+def quant_dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+                     group: int) -> torch.Tensor:
+    """The packed weight's float32 values [out, in], exactly `quant.format.dequantize`'s."""
+    return torch.ops.contbatch_cpu.quant_dequantize(codes, scales, mins, bits, group)
+
+
+def register_quant_fakes() -> None:
+    """The shape of `quant_linear` for Dynamo (compiled steps call it as an extern kernel)."""
+    if not _quant_fakes_registered:
+        fake = torch.library.register_fake("contbatch_cpu::quant_linear")
+        fake(lambda x, codes, scales, mins, bias, bits, group: x.new_empty(*x.shape[:-1], codes.shape[0]))
+        _quant_fakes_registered.append(True)
 
 # -- norms, rotary embeddings, decoder layers ------------------------------------------------
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .weights import check_inflight, copy_weights, weight_pairs
 
 logger = logging.getLogger("contbatch")
 
-CONTROL = ("pause", "resume", "reset_prefix_cache", "weights")  # inbox commands a caller waits on
+CONTROL = ("pause", "resume", "reset_prefix_cache", "weights", "adapter")  # inbox commands a caller waits on
 
 
 class AdminBusy(RuntimeError):
@@ -178,4 +178,7 @@ class EngineControl:
             self.core.flush()  # the step in flight reads the old weights to its end
             copy_weights(pairs)
             return self.core.weights_changed(inflight)
+        elif kind == "adapter":  # LoRA adapters (engine/adapters.py): the step in flight reads them to its end
+            self.core.flush()
+            return self._adapters.command(*payload)
         return None

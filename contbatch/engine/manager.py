@@ -21,6 +21,7 @@ import torch
 from ..attention.paged import attach, detach
 from ..cpu.routers import CpuRouters
 from .control import CONTROL, AdminLock, EngineControl
+from .adapter_api import AdapterControl, EngineAdapters
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus
@@ -43,7 +44,7 @@ logger = logging.getLogger("contbatch")
 _IDLE_POLL_S = 0.05
 
 
-class ContinuousBatchingManager(EngineControl):
+class ContinuousBatchingManager(EngineControl, AdapterControl):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -76,6 +77,7 @@ class ContinuousBatchingManager(EngineControl):
         self._warm = threading.Event()  # compiled steps are warmed up (set at once without compile)
         self._paused = False  # no step is scheduled while set; requests wait with their KV
         self._admin = AdminLock()  # admin commands (control.py) one at a time
+        self._adapters = EngineAdapters(model, self.resolved_config, self.tensor_parallel)  # LoRA (adapter_api.py)
 
     @property
     def cache(self) -> PagedAttentionCache | None:
@@ -101,6 +103,7 @@ class ContinuousBatchingManager(EngineControl):
         self._saved_attn = attach(self.model)
         self._routers = CpuRouters(self.model, r.cpu)
         self._routers.install()
+        self._adapters.hooks.sync()
         logger.info(describe(r))
         for warning in r.warnings:
             logger.warning("contbatch: %s", warning)
@@ -170,15 +173,17 @@ class ContinuousBatchingManager(EngineControl):
         sampling_params: SamplingParams | None = None,
         *,
         queue_chunks: bool = True,
+        adapter: str | None = None,
     ) -> str:
         """Queue one prompt (token ids, a 1-D tensor, or a tokenizer's `BatchEncoding`).
 
         `streaming=True` produces incremental outputs, passed to result handlers and queued
         for `request_id_iter`; a caller that reads them through a handler alone (the HTTP
         server does) passes `queue_chunks=False` so that nothing is kept for a reader who
-        never comes."""
+        never comes. `adapter` names a loaded LoRA adapter (`load_adapter`); None: the base model."""
         self._check_running()
         states = self._builder.build(input_ids, request_id, max_new_tokens, streaming, eos_token_id, sampling_params)
+        self._adapters.attach([states], [adapter])
         self._submit([states], queue_chunks)
         return states[0].parent_id
 
@@ -191,13 +196,13 @@ class ContinuousBatchingManager(EngineControl):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         queue_chunks: bool = True,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[str]:
-        """Submit many at once: all validated before any is queued (all or nothing).
-
-        With prefix sharing on, one request per distinct leading block goes first and the
-        others follow grouped by prefix: the leaders compute the shared blocks, and the
-        followers, admitted in later steps, find them cached. Returns ids in input order.
-        """
+        """Submit many at once, all validated before any is queued; `adapters`: a LoRA adapter
+        name or None per input. With prefix sharing on, one request per distinct leading block
+        goes first and the others follow grouped by prefix: the leaders compute the shared
+        blocks, and the followers, admitted in later steps, find them cached. Returns ids in
+        input order."""
         self._check_running()
         if request_ids is not None and len(request_ids) != len(inputs):
             raise ValueError(f"got {len(request_ids)} request ids for {len(inputs)} inputs")
@@ -208,6 +213,7 @@ class ContinuousBatchingManager(EngineControl):
         groups = [
             self._builder.build(x, rid, max_new_tokens, streaming, None, p) for x, rid, p in zip(inputs, ids, params)
         ]
+        self._adapters.attach(groups, adapters)
         dupes = len(groups) - len({g[0].parent_id for g in groups})
         if dupes:
             raise ValueError(f"{dupes} duplicate request ids in one add_requests call")
@@ -286,6 +292,7 @@ class ContinuousBatchingManager(EngineControl):
 
     def _publish(self, state: RequestState) -> None:
         """The core's output: a streamed chunk, or a request's end (engine thread)."""
+        self._adapters.finished(state)
         if state.status.is_done and state.detokenizer is not None:
             try:
                 state.delta_text += state.detokenizer.update(state.known_tokens, final=True)
@@ -311,6 +318,7 @@ class ContinuousBatchingManager(EngineControl):
                 detach(self.model, self._saved_attn)
                 self._saved_attn = None
                 self._routers.uninstall()
+                self._adapters.close()
             if self.core is not None and self.core.speculator is not None:
                 self.core.speculator.close()
 
@@ -318,6 +326,7 @@ class ContinuousBatchingManager(EngineControl):
         try:
             while True:
                 self._drain_inbox(block=self._paused or not self.core.has_work())
+                self._adapters.retry(self.core)  # requests that wait for an adapter slot, freed since
                 if self._stop_mode == "hard":
                     break
                 busy = self.core.has_work() and not self._paused
@@ -346,10 +355,10 @@ class ContinuousBatchingManager(EngineControl):
         while True:
             kind, payload = item
             if kind == "add":
-                self.core.scheduler.add(payload)
+                self._adapters.admit(payload, self.core)
             elif kind == "cancel":
                 for rid in self._samples.get(payload, [payload]):
-                    self.core.cancel(rid)
+                    self._adapters.cancel(rid, self.core)
             elif kind in CONTROL:
                 try:
                     result = self._do_control(kind, payload[0])
@@ -375,7 +384,7 @@ class ContinuousBatchingManager(EngineControl):
             elif kind in CONTROL:  # a caller waits on it: answer, never leave it hanging
                 self._answer(payload, error=RuntimeError("the manager stopped before the command ran"))
         if self.core is not None:
-            self.core.fail_all(reason, pending)
+            self.core.fail_all(reason, pending + self._adapters.take_held())
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -386,5 +395,5 @@ class ContinuousBatchingManager(EngineControl):
             **core,
             "live_sequences": self._results.live_sequences,  # submitted, not finished (n samples each)
             "stream_queues": self._results.num_streams,  # streams whose final chunk is not read yet
-            **(self.core.runner.stats() if self.core else {}),
+            **(self.core.runner.stats() if self.core else {}), **self._adapters.stats(),
         }

@@ -27,6 +27,11 @@ def weight_pairs(model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | I
     """(target, source) pairs, every one checked: the name is one of the model's parameters or
     persistent buffers, the shape matches, and the dtype is the target's or castable to it
     (floating to floating: a trainer in float32 may feed a bfloat16 engine)."""
+    summary = getattr(model, "contbatch_quantization", None)  # setup/quantize.py's record of quantized layers
+    if summary is not None:
+        raise ValueError(f"update_weights() takes float weights, and {summary.quantized_layers} of this model's linear "
+                         f"layers hold packed {summary.method} weights (quantized at load): load the model without "
+                         "quantization (or with dequantize=True) to update its weights")
     targets = model.state_dict(keep_vars=True)
     items = weights.items() if isinstance(weights, Mapping) else weights
     pairs = []

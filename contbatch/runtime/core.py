@@ -243,10 +243,10 @@ class EngineCore:
         if state.stale_kv:
             return
         if upto // bs != state.committed_tokens // bs:
-            self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto)
+            self.cache.block_manager.commit(state.request_id, state.all_token_ids, upto, state.cache_salt)
         prompt = len(state.prompt_ids)
         if state.committed_tokens < prompt <= upto:  # the prompt is in: its partly filled block too
-            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, prompt)
+            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, prompt, state.cache_salt)
         state.committed_tokens = upto
 
     def _settle(self, state: RequestState) -> None:
@@ -315,7 +315,8 @@ class EngineCore:
             state.finish(status, kind, reason)
         if state.status is not RequestStatus.FAILED and not state.stale_kv:
             # What it computed stays reusable token by token (the next turn of a chat).
-            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, state.committed_tokens)
+            self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, state.committed_tokens,
+                                                    state.cache_salt)
         self.scheduler.remove(state.request_id)
         if self.speculator is not None:
             self.speculator.forget(state.request_id)

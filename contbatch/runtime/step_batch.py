@@ -39,6 +39,7 @@ class StepBatch:
     sampled: list[RequestState]  # the S requests, in logits order
     chunks: list[ScheduledChunk]
     drafts: list[list[int]] | None = None  # per sampled request, its proposals; None: no request proposed
+    lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapter row
 
     @property
     def num_logits(self) -> int:
@@ -129,6 +130,8 @@ def build_step_batch(
     block_size = block_manager.block_size
     step = step_tokens(chunks)
     rows, cu_q = step.rows.numpy(), step.cu_q.numpy()
+    adapter_slots = np.fromiter((c.state.lora_slot for c in chunks), np.int64, len(chunks))
+    lora_slots = adapter_slots[rows] if (adapter_slots >= 0).any() else None
     ids = np.array(step.token_ids, np.int64)
     carry = np.full_like(ids, -1)
     waiting = ids == PLACEHOLDER
@@ -160,6 +163,7 @@ def build_step_batch(
         sampled=[chunks[i].state for i in sampled_rows.tolist()],
         chunks=chunks,
         drafts=drafts,
+        lora_slots=lora_slots,
     )
 
 

@@ -35,6 +35,7 @@ from .buckets import Bucketing, StepShape, pad_batch, round_up
 from .compile import compile_counters
 from .step_batch import StepBatch, apply_carry
 from .graphs import GraphCache
+from ..lora.segments import group_rows
 
 _LONG = ("input_ids", "carry", "positions", "write_slots", "logits_indices")
 
@@ -204,7 +205,8 @@ class StepRunner:
             start = s.record("compute", timing=True)
             if prev is not None:
                 apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
-            logits = self._forward(slot, shape, views, graphed, prepared)
+            lora = group_rows(batch.lora_slots, shape.num_tokens, self.cache.device)
+            logits = self._forward(slot, shape, views, graphed, prepared, lora)
             events = [(start, s.record("compute", timing=True))]
         # Proposals are not counted as computed: `EngineCore` adds the accepted ones.
         computed = [c.state.num_computed_tokens + c.num_tokens - len(c.draft) for c in batch.chunks]
@@ -226,7 +228,7 @@ class StepRunner:
             slot.h2d_done = s.record("h2d")
 
     def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor], graphed: bool,
-                 prepared: object) -> torch.Tensor:
+                 prepared: object, lora: object = None) -> torch.Tensor:
         meta = StepMetadata(
             cache=self.cache,
             backend=self.backend,
@@ -241,6 +243,7 @@ class StepRunner:
             max_q_len=shape.num_tokens,
             max_kv_len=shape.max_kv_len,
             prepared=prepared,
+            lora=lora,
         )
 
         inject("forward")

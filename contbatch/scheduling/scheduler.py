@@ -197,7 +197,7 @@ class Scheduler:
                 self.held_for_prefix += 1  # waits for its prefix; FIFO: nobody overtakes it
                 break
             if fresh:
-                state.num_computed_tokens = bm.match_prefix(state.request_id, state.all_token_ids)
+                state.num_computed_tokens = bm.match_prefix(state.request_id, state.all_token_ids, state.cache_salt)
             room = bm.capacity_tokens(state.request_id) - state.num_computed_tokens
             got = min(state.remaining_tokens, tokens_left, room)
             if got <= 0:
@@ -248,7 +248,7 @@ class Scheduler:
     def _prompt_hashes(self, state: RequestState) -> list[int]:
         hashes = self._hashes.get(state.request_id)
         if hashes is None:
-            hashes = self._hashes[state.request_id] = self.block_manager.block_hashes(state.prompt_ids)
+            hashes = self._hashes[state.request_id] = self.block_manager.block_hashes(state.prompt_ids, state.cache_salt)
         return hashes
 
     def _pending_hashes(self, state: RequestState, upto: int) -> list[int]:
@@ -281,7 +281,8 @@ class Scheduler:
         if len(mine) <= PARTIAL_HOLD_TOKENS:  # too little left to gain from waiting
             return False
         for other in self.running.values():
-            if other.committed_tokens < len(other.prompt_ids) and len(other.prompt_ids) > start + PARTIAL_HOLD_TOKENS \
+            if other.cache_salt == state.cache_salt and other.committed_tokens < len(other.prompt_ids) \
+                    and len(other.prompt_ids) > start + PARTIAL_HOLD_TOKENS \
                     and other.prompt_ids[:start] == state.prompt_ids[:start] \
                     and other.prompt_ids[start : start + PARTIAL_HOLD_TOKENS] == mine[:PARTIAL_HOLD_TOKENS]:
                 return True

@@ -21,6 +21,7 @@ from .. import __version__
 from ..engine.manager import ContinuousBatchingManager
 from .async_engine import AsyncEngine
 from .admin import add_admin_routes
+from .adapter_routes import add_adapter_routes
 from .bodies import read_body
 from .errors import APIError, install_handlers
 from .gate import Gate, ServerState
@@ -47,6 +48,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     manager.register_result_handler(stats.on_output)
     writer = ResponseWriter(engine, tokenizer, lambda: state.draining)
     preparer = Preparer(tokenizer, limits, settings)
+    preparer.adapter_names = manager.adapter_names
     pool = WorkerPool(settings.worker_threads, settings.max_queued_jobs)
     created = int(time.time())
 
@@ -99,15 +101,26 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def adapter_card(name: str, info: dict) -> dict:  # a LoRA adapter: a model whose parent is the base
+        return {**model_card(), "id": name, "root": info["path"], "parent": settings.model_name}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        adapters = [adapter_card(name, info) for name, info in manager.list_adapters().items()]
+        return {"object": "list", "data": [model_card(), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
+        adapters = manager.list_adapters()
+        if model_id in adapters and model_id not in settings.served_model_names:
+            return adapter_card(model_id, adapters[model_id])
         if model_id not in settings.served_model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
         return model_card()
+
+    def adapter_of(name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None for the base model."""
+        return None if name is None or name in settings.served_model_names else name
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -118,6 +131,7 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
         return await pool.run(preparer.detokenize, await body(request))
 
     add_admin_routes(app, manager, settings.weights_dir, body)
+    add_adapter_routes(app, manager, settings, body)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_ui_routes(app, stats)  # GET / (playground), /dashboard, /static/*, /stats
 
     # -- generation ----------------------------------------------------------------------
@@ -127,8 +141,9 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
         req = work.req
         if not await engine.compile_grammars(work.params, request, work.structured_param):
             return Response(status_code=499)  # the client is gone; nobody reads this
-        sub = engine.submit([p.token_ids for p in work.prompts], work.params, req.stream, "cmpl")
-        job = Job(chat=False, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n,
+        adapter = adapter_of(req.model)
+        sub = engine.submit([p.token_ids for p in work.prompts], work.params, req.stream, "cmpl", adapter)
+        job = Job(chat=False, sub=sub, model=adapter or settings.model_name, prompts=work.prompts, n=req.n,
                   logprobs=req.logprobs is not None, echo=req.echo,
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await writer.respond(job, request, req.stream)
@@ -139,8 +154,10 @@ def build_app(manager: ContinuousBatchingManager, tokenizer, settings: ServerSet
         req = work.req
         if not await engine.compile_grammars(work.params, request, work.structured_param):
             return Response(status_code=499)
-        sub = engine.submit([work.prompts[0].token_ids], work.params, req.stream, "chatcmpl")
-        job = Job(chat=True, sub=sub, model=settings.model_name, prompts=work.prompts, n=req.n, logprobs=req.logprobs,
+        adapter = adapter_of(req.model)
+        sub = engine.submit([work.prompts[0].token_ids], work.params, req.stream, "chatcmpl", adapter)
+        job = Job(chat=True, sub=sub, model=adapter or settings.model_name, prompts=work.prompts, n=req.n,
+                  logprobs=req.logprobs,
                   include_usage=bool(req.stream_options and req.stream_options.include_usage), tools=work.tools)
         return await writer.respond(job, request, req.stream)
 

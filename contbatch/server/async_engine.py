@@ -92,9 +92,10 @@ class AsyncEngine:
 
     # -- event loop ----------------------------------------------------------------------
     def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], streaming: bool,
-               prefix: str = "cmpl") -> Submission:
-        """Queue every prompt at once (all or nothing). Bad input -> 400, queue full -> 429,
-        engine not running -> 503."""
+               prefix: str = "cmpl", adapter: str | None = None) -> Submission:
+        """Queue every prompt at once (all or nothing), on LoRA `adapter` or the base model.
+        Bad input -> 400, an adapter no longer loaded -> 404, queue full -> 429, engine not
+        running -> 503."""
         loop = asyncio.get_running_loop()
         base = f"{prefix}-{uuid.uuid4().hex}"
         ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
@@ -105,10 +106,13 @@ class AsyncEngine:
         try:
             if len(prompts) == 1:
                 self.manager.add_request(prompts[0], request_id=ids[0], streaming=streaming, sampling_params=params[0],
-                                         queue_chunks=False)
+                                         queue_chunks=False, adapter=adapter)
             else:
                 self.manager.add_requests(prompts, streaming=streaming, request_ids=ids, sampling_params=list(params),
-                                          queue_chunks=False)
+                                          queue_chunks=False, adapters=[adapter] * len(prompts))
+        except KeyError as exc:  # unloaded since the body was checked
+            self._forget(ids)
+            raise APIError(404, f"The model `{adapter}` does not exist.", "model", "model_not_found") from exc
         except ValueError as exc:
             self._forget(ids)
             raise APIError(400, str(exc)) from exc

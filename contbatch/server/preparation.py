@@ -7,6 +7,7 @@ body would stall every other client. Failures are `APIError`s, raised into the r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -77,6 +78,7 @@ class Preparer:
         self.limits = limits
         self.settings = settings
         self.toolbox = Toolbox(tokenizer, settings.tool_call_parser)
+        self.adapter_names: Callable[[], Collection[str]] = tuple  # LoRA adapters served as models (app.py sets it)
 
     def conversation(self, rows: list[dict], tools: ToolRequest | None, add_generation_prompt: bool = True,
                      continue_final_message: bool = False, add_special_tokens: bool = False) -> Prompt:
@@ -97,14 +99,20 @@ class Preparer:
         return replace(params, structured_output=constraint,
                        skip_special_tokens=params.skip_special_tokens and not keep)
 
-    def validate(self, body: bytes, model: type[M]) -> M:
+    def validate(self, body: bytes, model: type[M], adapters: bool = True) -> M:
         """The body as `model`, or a 400 saying what is wrong (pydantic's JSON parser also
-        refuses nesting deeper than 200 levels), or 404 for another model's name."""
+        refuses nesting deeper than 200 levels), or 404 for another model's name (the base
+        model's names and, where `adapters`, the loaded LoRA adapters' are served)."""
         parsed = parse_body(body, model)
         name = getattr(parsed, "model", None)
-        if name is not None and name not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.settings.model_name}`.",
-                           "model", "model_not_found")
+        if not adapters and name is not None and name not in self.settings.served_model_names:
+            if name in self.adapter_names():
+                raise APIError(404, f"`{name}` is a LoRA adapter, and this route serves the base model "
+                               f"`{self.settings.model_name}` only", "model", "model_not_found")
+        if name is not None and name not in self.settings.served_model_names and name not in self.adapter_names():
+            served = "".join(f", `{a}`" for a in sorted(self.adapter_names()))
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.settings.model_name}`"
+                           f"{served}.", "model", "model_not_found")
         return parsed
 
     def completion(self, body: bytes) -> Prepared:

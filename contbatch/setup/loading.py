@@ -153,7 +153,7 @@ def _remake_default(out: Path, verified: bool = False, failure: str = "") -> Pat
 
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    tp_plan: str | dict | None = None,
+    tp_plan: str | dict | None = None, quantization: str | None = None, dequantize: bool = False,
 ):
     """Returns `(model, tokenizer)`: the default model, a local HF folder, or a `.gguf` file,
     with the model on `device`.
@@ -163,7 +163,36 @@ def load_model(
     `torchrun` (or `contbatch.distributed.spawn`), every rank calls this. The group is
     initialized from RANK / WORLD_SIZE / LOCAL_RANK if it is not yet (NCCL on CUDA, each rank
     on cuda:LOCAL_RANK; gloo on the CPU). A size that does not divide the KV heads is a
-    ValueError before anything is loaded."""
+    ValueError before anything is loaded.
+
+    `quantization` (CPU only): "int8" or "int4" ("int4-g32", "int4-g128") quantizes the
+    linear layers at load (setup/quantize.py); "gguf" serves a GGUF file (a `.gguf` path, or
+    the default model's own) at its quantization, block for block (setup/gguf_quant.py). A
+    `.gguf` path is served at its quantization by default where the C++ kernels run here;
+    `dequantize=True` keeps the float path (every weight dequantized), the default model's
+    default. Neither combines with tensor parallelism (its plan shards `nn.Linear` weights)."""
+    from .quantize import METHODS
+
+    path_is_gguf = name_or_path is not None and Path(name_or_path).suffix == ".gguf"
+    if quantization is not None and quantization not in (*METHODS, "gguf"):
+        raise ValueError(f"quantization must be one of {(*METHODS, 'gguf')} or None, got {quantization!r}")
+    if dequantize and quantization is not None:
+        raise ValueError(f"dequantize=True keeps float weights: it cannot be combined with quantization={quantization!r}")
+    if quantization == "gguf" and name_or_path is not None and not path_is_gguf:
+        raise ValueError(f"quantization='gguf' serves a .gguf file at its own quantization; {name_or_path} is not one")
+    if quantization is None and path_is_gguf and not dequantize:
+        from ..cpu import native
+
+        if torch.device(device).type == "cpu" and tp_plan is None and native.load()[0]:
+            quantization = "gguf"
+        else:
+            logger.info("contbatch: %s dequantized to float (its quantized layers run on the CPU with the C++ "
+                        "kernels, single process)", name_or_path)
+    if quantization is not None and (tp_plan is not None or torch.device(device).type != "cpu"):
+        raise ValueError(f"quantization={quantization!r} runs on the CPU in one process: quantized layers are not "
+                         f"sharded by tensor parallelism nor moved to {device} (load with dequantize=True)")
+    if quantization is not None:
+        return _load_quantized(name_or_path, dtype, quantization)
     if tp_plan is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return _load_sharded(name_or_path, dtype, device, tp_plan)
     if tp_plan is not None:
@@ -171,6 +200,18 @@ def load_model(
                     "1): loading the model whole")
     model, tokenizer = _load(name_or_path, dtype)
     return model.to(device), tokenizer
+
+
+def _load_quantized(name_or_path, dtype: torch.dtype, quantization: str):
+    from .gguf_quant import attach_gguf_blocks
+    from .quantize import quantize_model
+
+    model, tokenizer = _load(name_or_path, dtype)
+    if quantization == "gguf":
+        attach_gguf_blocks(model, name_or_path if name_or_path is not None else default_gguf_path())
+    else:
+        quantize_model(model, quantization)
+    return model, tokenizer
 
 
 def _model_dir(name_or_path: str | os.PathLike | None) -> Path:

@@ -14,6 +14,7 @@ from ..cpu.knobs import CpuKnobs
 from ..cpu.plan import plan_cpu
 from ..distributed.group import shard_layout
 from ..runtime.compile import resolve_compile
+from .quantize import summary_of
 from ..config import (
     DEFAULT_CPU_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -173,9 +174,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         decode_compile=compiled["decode"],
         varlen_compile=compiled["varlen"],
         cpu=cpu,
+        quantization=summary_of(model),
         return_logprobs=cfg.return_logprobs,
         speculative=spec,
         kv_heads_per_rank=layout.num_kv_heads,
+        max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank,
     )
     return resolved, layout
 
@@ -204,11 +208,13 @@ def describe(resolved: ResolvedConfig) -> str:
         f"{resolved.decode_compile.describe() if resolved.decode_compile else 'eager'}, varlen "
         f"{resolved.varlen_compile.describe() if resolved.varlen_compile else 'eager'} "
         + (f"{resolved.cpu.describe(prefill=resolved.attention_backend == 'torch')} " if resolved.cpu else "")
+        + (f"{resolved.quantization.describe()} " if resolved.quantization else "")
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"allow_block_sharing={resolved.allow_block_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
         f"cpu_offload={resolved.cpu_offload_gib} GiB ({resolved.cpu_offload_blocks} blocks) "
-        f"speculative={resolved.speculative.describe() if resolved.speculative else 'off'}"
+        f"speculative={resolved.speculative.describe() if resolved.speculative else 'off'} "
+        f"lora: up to {resolved.max_loras} resident adapters of rank <= {resolved.max_lora_rank}"
         + (f" tensor_parallel: rank {resolved.tp_rank} of {resolved.tp_size} ({resolved.tp_backend}), "
            f"{resolved.kv_heads_per_rank} KV heads per rank" if resolved.tp_size > 1 else "")
         + "".join(f"; note: {n}" for n in resolved.notes)

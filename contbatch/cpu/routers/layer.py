@@ -193,7 +193,9 @@ def _routed_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, *
         meta = kwargs.get("step_metadata")
         step = step_inputs(meta if meta is not None and not isinstance(meta, str) else shared.active_step())
         emb = kwargs.get("position_embeddings")
-        if step is not None and not args and hidden_states.dtype == fused.dtype and _plain_rotary(emb, fused):
+        # A linear with a forward hook (a LoRA adapter, lora/hooks.py) must run: its layer takes its own forward.
+        plain = not args and not any(m._forward_hooks for m in fused.linears)
+        if step is not None and plain and hidden_states.dtype == fused.dtype and _plain_rotary(emb, fused):
             if stack is not None and fused.position > 0 and stack.done[0] is step:
                 stack.changed()  # this step's stack ran, and this layer was given something else
             try:

@@ -48,7 +48,7 @@ class ResponsesPreparer:
 
     def prepare(self, body: bytes) -> PreparedResponse:
         p = self.preparer
-        req = p.validate(body, ResponsesRequest)
+        req = p.validate(body, ResponsesRequest, adapters=False)  # the base model only (docs/lora.md)
         history, size = [], len(body)
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id, "previous_response_id")

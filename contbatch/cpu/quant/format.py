@@ -1,0 +1,138 @@
+"""The packed weight format of quantized linear layers, and round-to-nearest quantization into it.
+
+One format for every source (a float model quantized at load, a GGUF file's Q8_0/Q4_0/Q4_1
+blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
+
+- int8: `codes` int8 [out, in]; w = code * scale. Per output channel (group = in, symmetric)
+  when quantized here; GGUF Q8_0 is the same with groups of 32.
+- int4: `codes` uint8 [out, in / 2]; within each block of 32 inputs byte j (0..15) holds input j
+  in its low nibble and input j + 16 in its high one: ggml's Q4_0/Q4_1 block order, so GGUF
+  blocks are copied as they are. w = code * scale + min, code 0..15 (asymmetric, as Q4_1; Q4_0's
+  w = (code - 8) * d is min = -8 d, the same value exactly).
+- `scales` (and int4's `mins`): float32 [out, in / group], group a multiple of 32 dividing `in`.
+
+The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), each
+step rounded: the kernel rebuilds exactly these values, and the exactness tests compare
+against `F.linear` on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # inputs per int4 nibble block (ggml's QK4_0 / QK8_0)
+INT4_GROUPS = (32, 128)
+FORMATS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a layer's weight is stored: bits, inputs per scale, and where it came from."""
+
+    bits: int  # 8 or 4
+    group: int  # inputs sharing one scale (and min); `in_features` for per-channel int8
+    source: str  # "int8", "int4-g32", "int4-g128" (quantized here) or a GGUF type ("Q4_1", ...)
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantized weights have 8 or 4 bits, got {self.bits}")
+        if self.group <= 0 or self.group % BLOCK:
+            raise ValueError(f"the quantization group must be a positive multiple of {BLOCK}, got {self.group}")
+
+
+@dataclass
+class PackedWeight:
+    """A quantized weight in the packed format: codes, scales and (int4) mins, CPU tensors."""
+
+    fmt: QuantFormat
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        o, i, f = self.out_features, self.in_features, self.fmt
+        if i % f.group:
+            raise ValueError(f"{i} inputs are not a whole number of groups of {f.group}")
+        want = (o, i) if f.bits == 8 else (o, i // 2)
+        dtype = torch.int8 if f.bits == 8 else torch.uint8
+        if tuple(self.codes.shape) != want or self.codes.dtype != dtype:
+            raise ValueError(f"{f.bits}-bit codes must be {dtype} {want}, got {self.codes.dtype} {tuple(self.codes.shape)}")
+        if tuple(self.scales.shape) != (o, i // f.group) or self.scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {(o, i // f.group)}, got {self.scales.dtype} {tuple(self.scales.shape)}")
+        if (self.mins is not None) != (f.bits == 4):
+            raise ValueError("int4 weights have mins, int8 ones none")
+        if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != torch.float32):
+            raise ValueError("mins must be float32, shaped as the scales")
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed weight (codes, scales, mins)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integer codes as int32 [out, in] in input order (int4 nibbles unpacked block by block)."""
+    if bits == 8:
+        return codes.to(torch.int32)
+    out = codes.shape[0]
+    blocks = codes.reshape(out, -1, BLOCK // 2)
+    low, high = (blocks & 0x0F).to(torch.int32), (blocks >> 4).to(torch.int32)
+    return torch.cat([low, high], dim=-1).reshape(out, -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int codes 0..15 [out, in] (in a multiple of 32) into the nibble layout above."""
+    out = q.shape[0]
+    blocks = q.to(torch.uint8).reshape(out, -1, BLOCK)
+    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(out, -1).contiguous()
+
+
+def dequantize(w: PackedWeight) -> torch.Tensor:
+    """float32 [out, in]: the weight's defined values (see the module docstring), in PyTorch;
+    the C++ library's `quant_dequantize` computes the same values faster."""
+    q = unpack_codes(w.codes, w.fmt.bits).to(torch.float32).reshape(w.out_features, -1, w.fmt.group)
+    values = q * w.scales.unsqueeze(-1)
+    if w.mins is not None:
+        values = values + w.mins.unsqueeze(-1)
+    return values.reshape(w.out_features, w.in_features)
+
+
+def quantize(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
+    """Round-to-nearest quantization of a float weight [out, in] into `fmt`.
+
+    int8: symmetric, scale = max|w| / 127 per group, codes in -127..127. int4: asymmetric per
+    group, min = the group's minimum, scale = (max - min) / 15, codes round((w - min) / scale)
+    clamped to 0..15 (an all-equal group gets scale 0 and is represented exactly by its min)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize takes a floating-point weight [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    out, inp = weight.shape
+    if inp % fmt.group:
+        raise ValueError(f"{inp} inputs are not a whole number of groups of {fmt.group}")
+    w = weight.detach().to("cpu", torch.float32).reshape(out, inp // fmt.group, fmt.group)
+    if not torch.isfinite(w).all():
+        raise ValueError("cannot quantize a weight holding NaN or infinity")
+    if fmt.bits == 8:
+        scales = w.abs().amax(dim=-1) / 127
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(w / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).reshape(out, inp)
+        return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), None, out, inp)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / 15
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((w - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15).reshape(out, inp)
+    return PackedWeight(fmt, pack_int4(q), scales.contiguous(), lo.contiguous(), out, inp)
+
+
+def format_for(name: str, in_features: int) -> QuantFormat:
+    """The format `load_model(quantization=name)` gives a layer of `in_features` inputs:
+    "int8" (per output channel), "int4" (groups of 32), "int4-g32" or "int4-g128"."""
+    if name == "int8":
+        return QuantFormat(8, in_features, "int8")
+    if name in ("int4", "int4-g32", "int4-g128"):
+        group = 128 if name == "int4-g128" else 32
+        return QuantFormat(4, group, f"int4-g{group}")
+    raise ValueError(f"quantization must be one of int8, int4, int4-g32, int4-g128, got {name!r}")

@@ -1,0 +1,102 @@
+"""Quantizing a loaded model's linear layers: swapping `nn.Linear` for `cpu.quant.QuantLinear`.
+
+`quantize_model` quantizes a float model at load (round-to-nearest, `cpu/quant/format.py`);
+setup/gguf_quant.py swaps in a GGUF file's own blocks instead. Both leave a `QuantSummary` on
+the model (`model.contbatch_quantization`), which the resolved config carries and the
+start-up line prints: which layers run quantized, in which formats, and the resident bytes.
+
+Only plain `nn.Linear` layers on the CPU with float weights are swapped, and only where the
+inputs are a whole number of groups (multiples of 32); others stay float and are counted.
+A tied output layer (lm_head sharing the embedding) is quantized on its own: the embedding
+stays float for the lookups, the head reads the packed copy at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..cpu.quant.format import BLOCK, PackedWeight, format_for, quantize
+from ..cpu.quant.linear import QuantLinear
+
+logger = logging.getLogger("contbatch")
+
+ATTRIBUTE = "contbatch_quantization"
+METHODS = ("int8", "int4", "int4-g32", "int4-g128")
+
+
+@dataclass(frozen=True)
+class QuantSummary:
+    """What runs quantized: plain JSON in `resolved_config.as_dict()`."""
+
+    method: str  # "int8", "int4-g32", ... or "gguf"
+    quantized_layers: int
+    formats: tuple[tuple[str, int], ...]  # (format, layers), e.g. ("Q4_1", 210)
+    float_layers: tuple[tuple[str, int], ...]  # (why left float, layers)
+    packed_bytes: int  # resident bytes of the quantized layers' codes, scales and mins
+    float32_bytes: int  # what the same weights take in float32
+
+    def describe(self) -> str:
+        formats = ", ".join(f"{n} {f}" for f, n in self.formats) or "none"
+        left = "".join(f"; {n} left float ({why})" for why, n in self.float_layers)
+        return (f"quantization={self.method}: {self.quantized_layers} linear layers quantized ({formats}), "
+                f"{self.packed_bytes / 2**20:.1f} MiB resident (float32: {self.float32_bytes / 2**20:.1f} MiB){left}")
+
+
+def summary_of(model: torch.nn.Module) -> QuantSummary | None:
+    return getattr(model, ATTRIBUTE, None)
+
+
+def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The model's plain float `nn.Linear` layers on the CPU, by qualified name."""
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is torch.nn.Linear and m.weight.is_floating_point() and m.weight.device.type == "cpu"]
+
+
+def replace_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def swap(model: torch.nn.Module, name: str, old: torch.nn.Linear, packed: PackedWeight) -> QuantLinear:
+    """Puts a QuantLinear holding `packed` (and `old`'s bias) where `old` was."""
+    new = QuantLinear(packed, None if old.bias is None else old.bias.detach().float())
+    replace_module(model, name, new)
+    return new
+
+
+def record(model: torch.nn.Module, method: str, swapped: list[QuantLinear], left: dict[str, int]) -> QuantSummary:
+    """Leaves the summary on the model and logs it once."""
+    formats: dict[str, int] = {}
+    for m in swapped:
+        formats[m.fmt.source] = formats.get(m.fmt.source, 0) + 1
+    summary = QuantSummary(method, len(swapped), tuple(sorted(formats.items())), tuple(sorted(left.items())),
+                           sum(m.nbytes for m in swapped), sum(4 * m.in_features * m.out_features for m in swapped))
+    setattr(model, ATTRIBUTE, summary)
+    logger.info("contbatch: %s", summary.describe())
+    return summary
+
+
+@torch.no_grad()
+def quantize_model(model: torch.nn.Module, method: str) -> QuantSummary:
+    """Quantizes every eligible linear layer of `model` in place (round-to-nearest; see the
+    module docstring); "int4" is groups of 32. A layer whose inputs are not a multiple of the
+    group stays float ("int4-g128" falls back to groups of 32 where 128 does not divide)."""
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} (or 'gguf' for a GGUF file), got {method!r}")
+    if summary_of(model) is not None:
+        raise ValueError("this model is quantized already")
+    swapped, left = [], {}
+    for name, m in linear_layers(model):
+        fmt = format_for(method, m.in_features)
+        if m.in_features % fmt.group and fmt.bits == 4 and m.in_features % BLOCK == 0:
+            fmt = format_for("int4-g32", m.in_features)
+        if m.in_features % BLOCK or m.in_features % fmt.group:
+            why = f"inputs not a multiple of {fmt.group}"
+            left[why] = left.get(why, 0) + 1
+            continue
+        swapped.append(swap(model, name, m, quantize(m.weight, fmt)))
+    return record(model, method, swapped, left)

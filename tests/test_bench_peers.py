@@ -1,0 +1,166 @@
+"""The peer benchmarks' plumbing (benchmarks/peers/, serve_launch.py, the offline rows): the
+parts that decide what runs and what is posted, checked without the peers installed."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness as H  # noqa: E402
+import serve_launch  # noqa: E402
+from offline_measure import RowResult, posted  # noqa: E402
+from offline_report import scenario_table  # noqa: E402
+from offline_systems import Config  # noqa: E402
+from offline_workloads import Workload  # noqa: E402
+from peers import knobs, paths, servers, setup_peers, ttft  # noqa: E402
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.PEERS_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_paths_follow_the_environment_and_reject_unknown_names(work):
+    assert paths.venv_python() == work / "venv" / "bin" / "python"
+    assert paths.gguf_path("smollm2-135m", "q8_0") == work / "models" / "smollm2-135m.Q8_0.gguf"
+    assert paths.resolve_model("qwen2.5-0.5b-shape") == work / "models" / "qwen2.5-0.5b-shape"
+    assert paths.resolve_model("default") is None and paths.resolve_model("/x/y") == Path("/x/y")
+    with pytest.raises(ValueError, match="unknown quant"):
+        paths.gguf_path("smollm2-135m", "Q5_K")
+    with pytest.raises(ValueError, match="unknown peer model"):
+        paths.model_dir("llama-70b")
+
+
+def test_settings_parse_and_unknown_knobs_are_refused():
+    assert knobs.parse_setting("np=8, quant=Q8_0,preload=true") == {"np": 8, "quant": "Q8_0", "preload": True}
+    assert knobs.label({"b": 512, "np": 4}) == "b=512,np=4" and knobs.label({}) == "default"
+    with pytest.raises(ValueError, match="knob=value"):
+        knobs.parse_setting("np8")
+    with pytest.raises(ValueError, match="unknown vLLM knobs"):
+        knobs.vllm_env({"threads": 2})
+    assert servers.parse_spec("llamacpp:np=2") == ("llamacpp", {"np": 2})
+    with pytest.raises(ValueError, match="unknown server system"):
+        servers.parse_spec("tgi")
+
+
+def test_vllm_setting_becomes_its_environment_and_arguments(work):
+    env = knobs.vllm_env({"bind": "all"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and "LD_PRELOAD" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in knobs.vllm_env({})  # vLLM's own default binding
+    with pytest.raises(RuntimeError, match="make bench-peers"):  # no Intel OpenMP in an empty work dir
+        knobs.vllm_env({"preload": True})
+    args = knobs.vllm_engine_args("/m", "float32", {"mbt": 4096, "seqs": 32})
+    assert args["max_num_batched_tokens"] == 4096 and args["max_num_seqs"] == 32 and args["dtype"] == "float32"
+    argv = knobs.vllm_serve_argv("/m", "float32", {"mbt": 4096}, 8123, "m")
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert "--max-num-batched-tokens" in argv and "8123" in argv
+
+
+def test_llama_server_command_needs_its_gguf_and_sizes_context_per_slot(work):
+    with pytest.raises(FileNotFoundError, match="make bench-peers"):
+        knobs.llama_server_argv("smollm2-135m", {"quant": "Q8_0"}, 8124, "m")
+    gguf = paths.gguf_path("smollm2-135m", "Q8_0")
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF")
+    argv = knobs.llama_server_argv("smollm2-135m", {"quant": "q8_0", "np": 8, "t": 2}, 8124, "m")
+    assert argv[argv.index("-m") + 1] == str(gguf)
+    assert argv[argv.index("-c") + 1] == str(8 * knobs.MAX_MODEL_LEN) and argv[argv.index("-t") + 1] == "2"
+    with pytest.raises(ValueError, match="quant"):
+        servers.command("llamacpp", "smollm2-135m", "bfloat16", {}, 8124)
+
+
+def test_sweeps_are_small_and_stage_wise():
+    assert knobs.vllm_stages("none") == [] and knobs.llama_stages("none", 32) == []
+    full = knobs.vllm_stages("full")
+    assert full[0] == [{"bind": "all"}] and all(set(c) <= set(knobs.VLLM_KNOBS) for st in full for c in st)
+    assert knobs.effective("llamacpp", {"quant": "q8_0"}) == {"np": 4, "quant": "Q8_0"}
+    assert knobs.effective("llamacpp", {}) == knobs.effective("llamacpp", {"np": 4})  # one candidate, not two
+    slots = [c["np"] for c in knobs.llama_stages("full", 12)[0]]
+    assert 12 in slots and slots == sorted(slots)
+
+
+def test_a_failing_setup_step_names_itself():
+    with pytest.raises(setup_peers.SetupError, match="step 'llama.cpp build' failed.*exited 3"):
+        setup_peers.sh("llama.cpp build", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+    with pytest.raises(SystemExit):  # an unknown step name is refused before anything runs
+        setup_peers.main(["--only", "nonsense"])
+
+
+def test_ttft_workload_shares_only_the_system_prompt():
+    tok = H.default_tokenizer()
+    plan = ttft.TtftPlan(prefix_lens=(30, 100), lone=2, concurrent=3)
+    built = ttft.build(tok, plan, seed=1)
+    assert sorted(built) == [30, 100]
+    prime, lone, burst = built[100]
+    assert (len(prime), len(lone), len(burst)) == (1, 2, 3)
+    prompts = [r.prompt for r in prime + lone + burst]
+    system = os.path.commonprefix(prompts)
+    assert len(set(prompts)) == len(prompts)
+    assert 95 <= len(tok.encode(system, add_special_tokens=False)) <= 105
+    again = ttft.build(tok, plan, seed=2)[100][1][0].prompt
+    assert not again.startswith(system)  # a later pass draws fresh texts
+    assert ttft.level_names(plan)[:2] == ["prefix 30: lone", "prefix 30: 3 concurrent"]
+    with pytest.raises(ValueError):
+        ttft.TtftPlan(prefix_lens=())
+
+
+def _level(failed=0, out=100, dur=2.0, ttft_p50=50.0):
+    return {"failed": failed, "total_output_tokens": out, "duration_s": dur, "ttft": {"p50_ms": ttft_p50}}
+
+
+def test_sweep_score_prefers_speed_and_refuses_failures():
+    assert serve_launch.score({"a": _level(), "b": _level(out=300, dur=2.0)}, False) == pytest.approx(100.0)
+    assert serve_launch.score({"a": _level(ttft_p50=20.0), "b": _level(ttft_p50=30.0)}, True) == pytest.approx(40.0)
+    assert serve_launch.score({"a": _level(failed=1)}, False) is None
+
+
+def test_server_floors_come_from_the_ceilings_measured_in_the_run():
+    ceil = {"matmul_gflops": 10.0, "weight_read_gb_s": 2.0, "weight_bytes": 500_000_000, "non_embedding_params": 10**8,
+            "weight_reader": "sum"}
+    level = {"total_input_tokens": 300, "total_output_tokens": 100}
+    matmul, weight_read = serve_launch.floors([ceil, dict(ceil, matmul_gflops=30.0), dict(ceil, matmul_gflops=20.0)],
+                                              level)
+    assert matmul == pytest.approx(100 / (2e8 * 400 / 20e9))  # the median rate, 20 GFLOP/s
+    assert weight_read == pytest.approx(4.0)
+    assert "10.0-30.0 GFLOP/s" in serve_launch.ceilings_line([ceil, dict(ceil, matmul_gflops=30.0)])
+
+
+def test_external_engine_is_posted_with_its_token_check_but_ours_is_not():
+    wl = Workload("fixed", "text", [[1, 2, 3]], [2])
+    wl.reference = [[5, 6]]
+    wrong = [H.Sample(1.0, 2, [[5, 7]])]
+    ok_vllm, label = posted(RowResult(Config("vllm", ()), "default", wrong), wl)
+    ok_ours, _ = posted(RowResult(Config("contbatch", ()), "default", wrong), wl)
+    assert ok_vllm and not ok_ours and "1" in label
+    short = [H.Sample(1.0, 1, [[5]])]
+    assert not posted(RowResult(Config("vllm", ()), "default", short), wl)[0]  # the count still binds
+
+
+def test_scenario_table_has_a_ratio_column_per_peer_that_ran():
+    sp = H.Spread.of([10.0, 11.0])
+    row = {"system": "x", "role": "default", "_spread": sp, "posted": True, "check": "ok", "floor_fraction": 0.5,
+           "notes": "", "_vs": {"tf-cb": None, "padded": None, "vllm": None}}
+    with_vllm = scenario_table([dict(row, family="contbatch"), dict(row, family="vllm")])
+    without = scenario_table([dict(row, family="contbatch"), dict(row, family="padded")])
+    assert "vs vLLM (CPU) best" in with_vllm and "vs vLLM (CPU) best" not in without
+    assert "vs padded generate best" in without and math.isfinite(sp.median)
+
+
+def test_offline_leaves_vllm_out_until_set_up_and_refuses_it_when_asked(work, capsys):
+    import offline
+
+    args = offline.parse_args(["--quick"])
+    assert "vllm" not in args.families and "contbatch" in args.families
+    assert "make bench-peers" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--systems", "contbatch,vllm"])
+    assert "run `make bench-peers` first" in capsys.readouterr().err
+    assert offline.parse_args(["--model", "smollm2-135m"]).model == str(work / "models" / "smollm2-135m")

@@ -1,0 +1,152 @@
+"""LoRA adapters and engine state: the prefix cache keeps adapters apart, weights swap in
+place, adapters unload and reload, and more adapters than `max_loras` are swapped in and out
+least recently used first; every output checked against the test's merged reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from contbatch.lora.peft_files import LoraWeights
+from contbatch.lora.registry import AdapterRegistry
+from conftest import make_tiny_model, random_prompts, reference_generate
+from lora_adapters import ATTENTION, merged, write_adapter
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def base():
+    return make_tiny_model("llama", seed=4)
+
+
+@pytest.fixture(scope="module")
+def paths(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-cache")
+    return {name: write_adapter(base, str(root / name), rank=r, alpha=2 * r, seed=seed, targets=ATTENTION)
+            for name, r, seed in (("a", 8, 1), ("b", 8, 2), ("c", 4, 3), ("a2", 8, 4))}
+
+
+@pytest.fixture
+def manager(base):
+    m = ContinuousBatchingManager(base, config=ContinuousBatchingConfig(block_size=4, max_loras=2))
+    m.start()
+    yield m
+    m.stop()
+    m.destroy()
+
+
+def _one(manager, prompt, adapter):
+    rid = manager.add_request(prompt, max_new_tokens=MAX_NEW, adapter=adapter)
+    out = manager.get_result(rid, timeout=120)
+    assert out.error is None, out.error
+    return out
+
+
+def test_two_adapters_never_share_prefix_blocks(base, paths, manager):
+    prompt = random_prompts(1, 17, 17, seed=7)[0]  # four full blocks
+    manager.load_adapter("a", paths["a"])
+    manager.load_adapter("b", paths["b"])
+    first = _one(manager, prompt, "a")
+    other = _one(manager, prompt, "b")
+    plain = _one(manager, prompt, None)
+    again = _one(manager, prompt, "a")
+    assert (other.cached_tokens, plain.cached_tokens) == (0, 0)  # same tokens, other weights: no reuse
+    assert again.cached_tokens >= 16  # the same adapter reuses its own blocks
+    assert first.generated_tokens == again.generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
+    assert other.generated_tokens == reference_generate(merged(base, paths["b"]), prompt, MAX_NEW)
+    assert plain.generated_tokens == reference_generate(base, prompt, MAX_NEW)
+
+
+def test_update_adapter_weights_in_place(base, paths, manager):
+    from safetensors.torch import load_file
+
+    prompt = random_prompts(1, 13, 13, seed=8)[0]
+    manager.load_adapter("a", paths["a"])
+    manager.load_adapter("b", paths["b"])
+    before = _one(manager, prompt, "a")
+    new = load_file(f"{paths['a2']}/adapter_model.safetensors")  # same shapes, other values
+    assert manager.update_adapter_weights("a", new) == 1
+    after = _one(manager, prompt, "a")
+    assert after.cached_tokens == 0  # blocks of the old weights are not reused
+    assert before.generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
+    assert after.generated_tokens == reference_generate(merged(base, paths["a2"]), prompt, MAX_NEW)
+    assert _one(manager, prompt, "b").generated_tokens == reference_generate(merged(base, paths["b"]), prompt, MAX_NEW)
+    assert _one(manager, prompt, None).generated_tokens == reference_generate(base, prompt, MAX_NEW)
+    with pytest.raises(ValueError, match="shape"):
+        manager.update_adapter_weights("a", {k: v[:, :1] for k, v in new.items()})
+    with pytest.raises(ValueError, match="not a LoRA weight"):
+        manager.update_adapter_weights("a", {"model.layers.0.mlp.up_proj.weight": torch.zeros(1)})
+
+
+def test_unload_and_reload(base, paths, manager):
+    prompt = random_prompts(1, 10, 10, seed=9)[0]
+    manager.load_adapter("a", paths["a"])
+    assert _one(manager, prompt, "a").generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
+    manager.unload_adapter("a")
+    assert manager.list_adapters() == {}
+    with pytest.raises(KeyError, match="not loaded"):
+        manager.add_request(prompt, max_new_tokens=MAX_NEW, adapter="a")
+    manager.load_adapter("a", paths["c"])  # the name again, other weights
+    out = _one(manager, prompt, "a")
+    assert out.generated_tokens == reference_generate(merged(base, paths["c"]), prompt, MAX_NEW)
+    with pytest.raises(ValueError, match="already loaded"):
+        manager.load_adapter("a", paths["a"])
+
+
+def test_more_adapters_than_slots_swap_lru(base, paths, manager):
+    """max_loras=2 with three adapters in one batch: the third waits for a slot, parks the
+    least recently used idle adapter, and every row is still exact."""
+    for name in ("a", "b", "c"):
+        manager.load_adapter(name, paths[name])
+    prompts = random_prompts(6, 6, 14, seed=10)
+    names = ["a", "b", "c", None, "c", "a"]
+    ids = manager.add_requests(prompts, max_new_tokens=MAX_NEW, adapters=names)
+    outs = [manager.get_result(rid, timeout=120) for rid in ids]
+    refs = {None: base, **{n: merged(base, paths[n]) for n in ("a", "b", "c")}}
+    assert [o.generated_tokens for o in outs] == [reference_generate(refs[n], p, MAX_NEW) for p, n in zip(prompts, names)]
+    stats = manager.stats()
+    assert stats["lora_evictions"] >= 1 and stats["lora_resident"] <= 2 and stats["lora_waiting"] == 0
+    assert sum(a["resident"] for a in manager.list_adapters().values()) <= 2
+
+
+def test_bad_adapters_are_clear_errors(base, paths, manager, tmp_path):
+    with pytest.raises(ValueError, match="adapter_config.json is missing"):
+        manager.load_adapter("x", str(tmp_path))
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        small = ContinuousBatchingManager(base, config=ContinuousBatchingConfig(block_size=4, max_lora_rank=4))
+        small.load_adapter("x", paths["a"])
+    with pytest.raises(ValueError, match="adapter name"):
+        manager.load_adapter("bad name!", paths["a"])
+    with pytest.raises(KeyError):
+        manager.add_requests([[5, 6, 7]], adapters=["nope"])
+    with pytest.raises(ValueError, match="adapters for"):
+        manager.add_requests([[5, 6, 7]], adapters=[None, None])
+    with pytest.raises(ValueError, match="max_loras"):
+        ContinuousBatchingConfig(max_loras=0)
+
+
+def _weights(rank: int) -> LoraWeights:
+    return LoraWeights(rank, 1.0, {"m": (torch.ones(rank, 2), torch.ones(3, rank))})
+
+
+def test_registry_lru_bookkeeping():
+    reg = AdapterRegistry(max_loras=2, max_lora_rank=8, device=torch.device("cpu"))
+    for name in "xyz":
+        reg.register(name, name, _weights(4))
+    assert reg.resident() == []  # registered adapters are parked until a request needs them
+    sx, sy = reg.acquire("x"), reg.acquire("y")
+    assert {sx, sy} == {0, 1}
+    assert reg.acquire("z") is None  # both slots held by running requests: z waits
+    reg.release("x")
+    assert reg.acquire("z") == sx and reg.adapters["x"].slot == -1 and reg.evictions == 1
+    reg.release("y")
+    reg.release("z")
+    reg.acquire("z")  # z is now the most recently used: y goes first
+    reg.release("z")
+    assert reg.acquire("x") == sy and reg.adapters["y"].slot == -1
+    with pytest.raises(RuntimeError, match="running requests"):
+        reg.remove("x")
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        reg.register("big", "big", _weights(16))

@@ -1,0 +1,74 @@
+"""GGUF tensors served at their own quantization: Q8_0/Q4_0/Q4_1 blocks converted without a
+float round trip (checked against the gguf package's own dequantization), and the default
+model's GGUF (Q4_1 + a Q8_0 head) against `model.generate` on its dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from contbatch.cpu import native
+from contbatch.cpu.quant.linear import QuantLinear
+from contbatch.setup.gguf_quant import packed_from_blocks
+
+from test_quantized import TIE_MARGIN, margin_at, reference_values
+
+BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+@pytest.mark.parametrize("kind", sorted(BYTES))
+def test_blocks_convert_to_the_gguf_packages_values(kind):
+    import gguf
+
+    rng = np.random.default_rng(len(kind))
+    out, inp = 24, 96
+    raw = rng.integers(0, 256, size=(out, inp // 32 * BYTES[kind]), dtype=np.uint8)
+    blocks = raw.reshape(out, inp // 32, BYTES[kind])
+    scales = rng.standard_normal((out, inp // 32, 2)).astype(np.float16)  # finite d (and m) fields
+    blocks[..., :4 if kind == "Q4_1" else 2] = scales.view(np.uint8).reshape(out, inp // 32, 4)[..., :4 if kind == "Q4_1" else 2]
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32))
+    layer = QuantLinear(packed_from_blocks(kind, raw, out, inp))
+    assert expected.shape == (out, inp)
+    assert torch.equal(reference_values(layer), expected)
+    assert torch.equal(layer.dequantized(), expected)
+
+
+def test_other_block_types_are_refused():
+    with pytest.raises(ValueError, match="no packed form"):
+        packed_from_blocks("Q6_K", np.zeros((4, 210), np.uint8), 4, 256)
+    with pytest.raises(ValueError, match="does not hold"):
+        packed_from_blocks("Q4_1", np.zeros((4, 20), np.uint8), 4, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+def test_default_gguf_served_quantized_matches_its_dequantized_model(default_model):
+    """The default model's GGUF at its quantization: every linear layer swapped (210 Q4_1, the
+    tied head Q8_0), and greedy tokens equal `model.generate` on the dequantized model (the
+    suite's default model, made from the same GGUF by the gguf package), except near-ties."""
+    from transformers import GenerationConfig
+
+    from contbatch import ContinuousBatchingConfig, generate_batch
+    from contbatch.setup.loading import load_model
+
+    model, tok = load_model(quantization="gguf")
+    ref, _ = default_model
+    summary = model.contbatch_quantization
+    assert dict(summary.formats) == {"Q4_1": 210, "Q8_0": 1} and not summary.float_layers
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(reference_values(m), ref.get_submodule(name).weight.detach()), name
+    texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "List three colors:"]
+    prompts = [tok.encode(t) for t in texts]
+    gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    results = generate_batch(model, prompts, gc, ContinuousBatchingConfig(), progress_bar=False)
+    from conftest import reference_generate
+
+    for i, prompt in enumerate(prompts):
+        got, expected = results[f"req_{i}"].generated_tokens, reference_generate(ref, prompt, 16)
+        if got != expected:
+            step = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+            margin = margin_at(ref, prompt, expected, step)
+            print(f"prompt {i}: near-tie at token {step}, margin {margin:.3g}")
+            assert margin < TIE_MARGIN, f"prompt {i} differs at token {step} with margin {margin:.3g}"
