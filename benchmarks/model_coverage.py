@@ -16,7 +16,8 @@ same block size and step budget) for the side-by-side column.
 
 Run `python benchmarks/model_coverage.py` (about 10 minutes on 2 cores, most of it in
 transformers' `generate_batch`; `--no-peer` skips that column) after pinning a new
-transformers; `--arch NAME` checks a few architectures without writing the table.
+transformers; `--arch NAME` checks a few architectures without writing the table, and with
+`--update` replaces just their rows in the table (both columns) and recounts its summary.
 """
 
 from __future__ import annotations
@@ -202,10 +203,39 @@ def write_markdown(rows, path: Path, peer: bool) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def update_markdown(rows, path: Path) -> None:
+    """Replace the rows of `rows`' architectures in an existing table (written with the peer
+    column) and recount both summary lines from every row of the table."""
+    import re
+
+    lines = path.read_text().splitlines()
+    fresh = {arch: (v, p) for arch, v, p in rows}
+    row = re.compile(r"^\| `([^`]+)` \| (\w+) \|")
+    for i, line in enumerate(lines):
+        m = row.match(line)
+        if m and m.group(1) in fresh:
+            v, p = fresh.pop(m.group(1))
+            reason = v.reason.split(": ", 1)[-1] if v.verdict == "refused" else v.reason
+            peer = [p.verdict, _cell(p.reason) if p.verdict != "unbuildable" else ""]
+            lines[i] = "| " + " | ".join([f"`{m.group(1)}`", v.verdict, _cell(reason), *peer]) + " |"
+    if fresh:
+        raise SystemExit(f"--update: no row for {sorted(fresh)} in {path}; regenerate the whole table")
+    table = [line.split(" | ") for line in lines if row.match(line)]
+    kinds = ("exact", "refused", "wrong", "unbuildable")
+    ours, theirs = Counter(c[1] for c in table), Counter(c[3] for c in table if len(c) > 3)
+    for i, line in enumerate(lines):
+        if line.startswith("| contbatch |"):
+            lines[i] = "| contbatch | " + " | ".join(str(ours.get(k, 0)) for k in kinds) + " |"
+        elif line.startswith("| transformers `generate_batch` |"):
+            lines[i] = "| transformers `generate_batch` | " + " | ".join(str(theirs.get(k, 0)) for k in kinds) + " |"
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = H.parser(__doc__)
     parser.add_argument("--arch", nargs="*", help="only these architectures (prints, writes nothing)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
+    parser.add_argument("--update", action="store_true", help="with --arch: rewrite those rows of the table")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
     args = H.parse(parser)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -215,6 +245,11 @@ def main() -> None:
     if not args.arch:
         write_markdown(rows, Path(args.out), peer=not args.no_peer)
         print(f"wrote {args.out}: {Counter(v.verdict for _, v, _ in rows)}")
+    elif args.update:
+        if args.no_peer:
+            raise SystemExit("--update rewrites both columns: run it without --no-peer")
+        update_markdown(rows, Path(args.out))
+        print(f"updated {len(rows)} rows of {args.out}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ WHERE_SET = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "mamba_chunk_size": 16,  # the scan's chunk: short prompts are padded to it
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
 }
 # Repairs, per architecture: defaults transformers cannot build (or not at these sizes).
@@ -53,7 +54,8 @@ FIXES: dict[str, dict] = {
     "codegen": {"rotary_dim": 8},  # partial rotary: the default 64 is wider than a 16-dim head
     "gptj": {"rotary_dim": 8},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
-    "mamba2": {"num_heads": 8},  # hidden * expand == num_heads * head_dim
+    "mamba2": {"num_heads": 8, "chunk_size": 16},  # hidden * expand == num_heads * head_dim
+    "nemotron_h": {"chunk_size": 16},
     "zaya": {"num_experts_per_tok": 1},  # the only value it supports
     "xmod": {"default_language": "en_XX"},
     "hunyuan_v1_dense": {"head_dim": 16},  # the default has none and the layers need one
@@ -62,12 +64,16 @@ FIXES: dict[str, dict] = {
     "nemotron": {"num_key_value_heads": 2},
     "deepseek_v2": {"num_experts_per_tok": 2},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Hybrids whose default places no attention layer among two: one of each, as their models have.
+    "bamba": {"attn_layer_indices": [1]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "dots3_note_text": {"num_key_value_heads": 4},  # validated equal to the query heads
     "dots3_note": {"num_key_value_heads": 4},
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},  # must sum to hidden, fill positions
     # Hybrids whose shared transformer block must appear twice (its weights are tied across uses).
     "zamba": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2},
-    "zamba2": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2},
+    "zamba2": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2, "chunk_size": 16},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "gemma3n_text": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,

@@ -288,6 +288,8 @@ class ResolvedConfig:
     speculative: SpeculativeConfig | None = None  # in force, or None
     max_loras: int = 4  # LoRA adapters resident at once (docs/lora.md)
     max_lora_rank: int = 64
+    recurrent_mixers: int = 0  # recurrent layers whose per-request state lives beside the KV cache
+    kv_layers: str = ""  # each cache layer's KV shape, runs of alike layers (cache/layout.py's KVLayout.describe)
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's
     # collectives (None: one process), and the KV heads this rank's cache holds.
     tp_size: int = 1

@@ -1,58 +1,84 @@
-"""For the tests: PEFT-format LoRA adapters with random factors, and the merged reference model.
+"""For the tests: LoRA adapters written by PEFT itself, PEFT's merged reference model, and one
+engine run of a batch of requests on adapters.
 
-The reference is built here, independently of contbatch/lora/: the adapter is merged into a
-copy of the base model (W + scale * B @ A) and run with `model.generate`.
+The reference never goes through contbatch/lora/: PEFT wraps a copy of the base model
+(`LoraConfig` + `get_peft_model`), the test gives its factors seeded random values (B nonzero,
+else the adapter would change nothing), PEFT writes the directory (`save_pretrained`), and
+`PeftModel.from_pretrained(copy, dir).merge_and_unload()` is the model whose `model.generate`
+tokens the engine (base weights, adapters unmerged) must reproduce.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import math
 import os
 
 import torch
-from safetensors.torch import save_file
+
+from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from conftest import reference_generate
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def write_adapter(model: torch.nn.Module, path: str, *, rank: int = 8, alpha: float = 16.0, seed: int = 0,
-                  targets=ATTENTION + MLP, rslora: bool = False, std: float = 0.1) -> str:
-    """A PEFT LoRA adapter directory for `model` with random A and (nonzero) B."""
+                  targets=ATTENTION + MLP, rslora: bool = False, std: float = 0.1, **config) -> str:
+    """A PEFT LoRA adapter directory for `model`, written by PEFT, with A and B drawn from
+    N(0, std^2) by a generator seeded with `seed`. `config`: more `LoraConfig` fields (e.g.
+    `use_dora=True`, for the refusal tests)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, **config)
+    wrapped = get_peft_model(copy.deepcopy(model), lora)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            a = torch.randn(rank, module.in_features, generator=gen) * std
-            b = torch.randn(module.out_features, rank, generator=gen) * std
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-    os.makedirs(path, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-              "use_rslora": rslora, "bias": "none", "fan_in_fan_out": False, "task_type": "CAUSAL_LM"}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name, param in sorted(wrapped.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    wrapped.save_pretrained(path)
     return path
 
 
 def merged(model: torch.nn.Module, path: str) -> torch.nn.Module:
-    """A copy of `model` with the adapter at `path` merged into its weights."""
-    from safetensors.torch import load_file
+    """PEFT's own merge of the adapter at `path` into a copy of `model`: the reference."""
+    from peft import PeftModel
 
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        config = json.load(f)
-    r = config["r"]
-    scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-    out = copy.deepcopy(model)
-    modules = dict(out.named_modules())
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if key.endswith(".lora_A.weight"):
-                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                b = tensors[key.replace("lora_A", "lora_B")]
-                modules[name].weight += scale * (b.double() @ a.double()).float()
-    return out
+    out = PeftModel.from_pretrained(copy.deepcopy(model), path).merge_and_unload()
+    return out.eval()
+
+
+def references(model: torch.nn.Module, paths: dict[str, str]) -> dict:
+    """{None: the base model, name: its merged reference} for every adapter in `paths`."""
+    return {None: model, **{name: merged(model, path) for name, path in paths.items()}}
+
+
+def expected(refs: dict, prompts: list[list[int]], names: list, max_new: int) -> list[list[int]]:
+    """Each row's reference tokens: `model.generate` greedy on the merged model of its adapter."""
+    return [reference_generate(refs[n], p, max_new) for p, n in zip(prompts, names)]
+
+
+def served(model: torch.nn.Module, config: ContinuousBatchingConfig, prompts: list[list[int]], names: list,
+           paths: dict[str, str], max_new: int) -> tuple[list[list[int]], dict]:
+    """The engine's greedy tokens for `prompts` on the adapters `names` (None: the base), with
+    every adapter of `paths` loaded; and the manager's stats, with the speculative proposals."""
+    manager = ContinuousBatchingManager(model, config=config)
+    manager.start()
+    try:
+        for name, path in paths.items():
+            manager.load_adapter(name, path)
+        ids = manager.add_requests(prompts, max_new_tokens=max_new, adapters=names)
+        outs = {rid: manager.get_result(rid, timeout=300) for rid in ids}
+        for out in outs.values():
+            assert out.error is None, out.error
+        stats = manager.stats()
+        stats["spec_draft_tokens"] = sum(o.spec_draft_tokens for o in outs.values())
+    finally:
+        manager.stop()
+        manager.destroy()
+    return [outs[rid].generated_tokens for rid in ids], stats
+
+
+def write_adapters(model: torch.nn.Module, root, specs: dict[str, dict]) -> dict[str, str]:
+    """{name: directory} of adapters `write_adapter` writes under `root`, one per spec (its keywords)."""
+    return {name: write_adapter(model, os.path.join(str(root), name), **spec) for name, spec in specs.items()}

@@ -1,6 +1,7 @@
 """LoRA adapters and engine state: the prefix cache keeps adapters apart, weights swap in
 place, adapters unload and reload, and more adapters than `max_loras` are swapped in and out
-least recently used first; every output checked against the test's merged reference."""
+least recently used first; every output checked against PEFT's merged reference
+(tests/lora_adapters.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
 from contbatch.lora.peft_files import LoraWeights
 from contbatch.lora.registry import AdapterRegistry
-from conftest import make_tiny_model, random_prompts, reference_generate
-from lora_adapters import ATTENTION, merged, write_adapter
+from conftest import make_tiny_model, random_prompts
+from lora_adapters import ATTENTION, expected, references, write_adapters
 
 MAX_NEW = 6
 
@@ -23,9 +24,14 @@ def base():
 
 @pytest.fixture(scope="module")
 def paths(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-cache")
-    return {name: write_adapter(base, str(root / name), rank=r, alpha=2 * r, seed=seed, targets=ATTENTION)
-            for name, r, seed in (("a", 8, 1), ("b", 8, 2), ("c", 4, 3), ("a2", 8, 4))}
+    specs = {name: dict(rank=r, alpha=2 * r, seed=seed, targets=ATTENTION)
+             for name, r, seed in (("a", 8, 1), ("b", 8, 2), ("c", 4, 3), ("a2", 8, 4))}
+    return write_adapters(base, tmp_path_factory.mktemp("lora-cache"), specs)
+
+
+@pytest.fixture(scope="module")
+def refs(base, paths):
+    return references(base, paths)
 
 
 @pytest.fixture
@@ -37,6 +43,10 @@ def manager(base):
     m.destroy()
 
 
+def _ref(refs, prompt, adapter):
+    return expected(refs, [prompt], [adapter], MAX_NEW)[0]
+
+
 def _one(manager, prompt, adapter):
     rid = manager.add_request(prompt, max_new_tokens=MAX_NEW, adapter=adapter)
     out = manager.get_result(rid, timeout=120)
@@ -44,7 +54,7 @@ def _one(manager, prompt, adapter):
     return out
 
 
-def test_two_adapters_never_share_prefix_blocks(base, paths, manager):
+def test_two_adapters_never_share_prefix_blocks(refs, paths, manager):
     prompt = random_prompts(1, 17, 17, seed=7)[0]  # four full blocks
     manager.load_adapter("a", paths["a"])
     manager.load_adapter("b", paths["b"])
@@ -54,12 +64,12 @@ def test_two_adapters_never_share_prefix_blocks(base, paths, manager):
     again = _one(manager, prompt, "a")
     assert (other.cached_tokens, plain.cached_tokens) == (0, 0)  # same tokens, other weights: no reuse
     assert again.cached_tokens >= 16  # the same adapter reuses its own blocks
-    assert first.generated_tokens == again.generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
-    assert other.generated_tokens == reference_generate(merged(base, paths["b"]), prompt, MAX_NEW)
-    assert plain.generated_tokens == reference_generate(base, prompt, MAX_NEW)
+    assert first.generated_tokens == again.generated_tokens == _ref(refs, prompt, "a")
+    assert other.generated_tokens == _ref(refs, prompt, "b")
+    assert plain.generated_tokens == _ref(refs, prompt, None)
 
 
-def test_update_adapter_weights_in_place(base, paths, manager):
+def test_update_adapter_weights_in_place(refs, paths, manager):
     from safetensors.torch import load_file
 
     prompt = random_prompts(1, 13, 13, seed=8)[0]
@@ -70,32 +80,32 @@ def test_update_adapter_weights_in_place(base, paths, manager):
     assert manager.update_adapter_weights("a", new) == 1
     after = _one(manager, prompt, "a")
     assert after.cached_tokens == 0  # blocks of the old weights are not reused
-    assert before.generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
-    assert after.generated_tokens == reference_generate(merged(base, paths["a2"]), prompt, MAX_NEW)
-    assert _one(manager, prompt, "b").generated_tokens == reference_generate(merged(base, paths["b"]), prompt, MAX_NEW)
-    assert _one(manager, prompt, None).generated_tokens == reference_generate(base, prompt, MAX_NEW)
+    assert before.generated_tokens == _ref(refs, prompt, "a")
+    assert after.generated_tokens == _ref(refs, prompt, "a2")
+    assert _one(manager, prompt, "b").generated_tokens == _ref(refs, prompt, "b")
+    assert _one(manager, prompt, None).generated_tokens == _ref(refs, prompt, None)
     with pytest.raises(ValueError, match="shape"):
         manager.update_adapter_weights("a", {k: v[:, :1] for k, v in new.items()})
     with pytest.raises(ValueError, match="not a LoRA weight"):
         manager.update_adapter_weights("a", {"model.layers.0.mlp.up_proj.weight": torch.zeros(1)})
 
 
-def test_unload_and_reload(base, paths, manager):
+def test_unload_and_reload(refs, paths, manager):
     prompt = random_prompts(1, 10, 10, seed=9)[0]
     manager.load_adapter("a", paths["a"])
-    assert _one(manager, prompt, "a").generated_tokens == reference_generate(merged(base, paths["a"]), prompt, MAX_NEW)
+    assert _one(manager, prompt, "a").generated_tokens == _ref(refs, prompt, "a")
     manager.unload_adapter("a")
     assert manager.list_adapters() == {}
     with pytest.raises(KeyError, match="not loaded"):
         manager.add_request(prompt, max_new_tokens=MAX_NEW, adapter="a")
     manager.load_adapter("a", paths["c"])  # the name again, other weights
     out = _one(manager, prompt, "a")
-    assert out.generated_tokens == reference_generate(merged(base, paths["c"]), prompt, MAX_NEW)
+    assert out.generated_tokens == _ref(refs, prompt, "c")
     with pytest.raises(ValueError, match="already loaded"):
         manager.load_adapter("a", paths["a"])
 
 
-def test_more_adapters_than_slots_swap_lru(base, paths, manager):
+def test_more_adapters_than_slots_swap_lru(refs, paths, manager):
     """max_loras=2 with three adapters in one batch: the third waits for a slot, parks the
     least recently used idle adapter, and every row is still exact."""
     for name in ("a", "b", "c"):
@@ -104,8 +114,7 @@ def test_more_adapters_than_slots_swap_lru(base, paths, manager):
     names = ["a", "b", "c", None, "c", "a"]
     ids = manager.add_requests(prompts, max_new_tokens=MAX_NEW, adapters=names)
     outs = [manager.get_result(rid, timeout=120) for rid in ids]
-    refs = {None: base, **{n: merged(base, paths[n]) for n in ("a", "b", "c")}}
-    assert [o.generated_tokens for o in outs] == [reference_generate(refs[n], p, MAX_NEW) for p, n in zip(prompts, names)]
+    assert [o.generated_tokens for o in outs] == expected(refs, prompts, names, MAX_NEW)
     stats = manager.stats()
     assert stats["lora_evictions"] >= 1 and stats["lora_resident"] <= 2 and stats["lora_waiting"] == 0
     assert sum(a["resident"] for a in manager.list_adapters().values()) <= 2

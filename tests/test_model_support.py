@@ -183,11 +183,10 @@ def test_bert_family_decoders_are_exact_and_their_bidirectional_default_refused(
 
 
 @pytest.mark.parametrize("arch,feature", [
-    ("mamba", "state-space"),
-    ("qwen3_next", "linear-attention"),
-    ("lfm2_moe", "convolution"),
-    ("deepseek_v3", "multi-head latent attention"),
-    ("llama4_text", "chunked local attention"),
+    ("mamba", "do not resume a prompt from a saved state"),
+    ("recurrent_gemma", "linear-attention"),
+    ("deepseek_v32", "indexed"),
+    ("deepseek_v4", "compressed attention"),
     ("bloom", "AttentionInterface"),
     ("bart", "position_ids"),
     ("hrm_text", "calls attention"),
@@ -223,7 +222,7 @@ def test_a_model_unchanged_since_its_last_check_is_not_probed_again(monkeypatch)
     model = build_tiny("llama")
     probes = []
     real = support.probe_attention_calls
-    monkeypatch.setattr(support, "probe_attention_calls", lambda m: probes.append(m) or real(m))
+    monkeypatch.setattr(support, "probe_attention_calls", lambda m, *a: probes.append(m) or real(m, *a))
     gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
     prompts = random_prompts(2, 5, 12, seed=3)
     expected = _expected(model, prompts, 3)

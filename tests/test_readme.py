@@ -2,7 +2,8 @@
 
 The server example talks to `http://127.0.0.1:8000/v1`; the test serves the default model on a
 free loopback port and points the block there (its only edit), so a busy port 8000 on the
-machine cannot fail it.
+machine cannot fail it. The LoRA-over-HTTP block starts its own server on `port = 8001`; the
+test gives it a free port instead (that block's only edit).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uvicorn
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_URL = "http://127.0.0.1:8000/v1"
+README_PORT = "port = 8001"  # the block that starts its own server
 
 
 def python_blocks() -> list[str]:
@@ -29,6 +31,13 @@ def test_readme_has_python_blocks():
     blocks = python_blocks()
     assert len(blocks) >= 3, "the README's examples moved: update this test"
     assert any(README_URL in block for block in blocks)
+    assert sum(README_PORT in block for block in blocks) == 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _serve(model, tokenizer):
@@ -95,7 +104,7 @@ def _check_rl(ns: dict, printed: str) -> None:
 
 
 def _check_lora(ns: dict, printed: str) -> None:
-    """The adapter row's tokens are the merged model's (merged here), the other row the base's."""
+    """The adapter row's tokens are PEFT's merge of the adapter (run with generate), the other row the base's."""
     from lora_adapters import merged
     from conftest import reference_generate
 
@@ -104,6 +113,23 @@ def _check_lora(ns: dict, printed: str) -> None:
     assert plain == reference_generate(base, [5, 6, 7], 8)
     assert adapted == reference_generate(merged(base, ns["adapter_dir"]), [5, 6, 7], 8) != plain
     assert str([plain, adapted]) in printed
+
+
+def _check_lora_http(ns: dict, printed: str) -> None:
+    """/v1/models lists the base and the adapter; each one's greedy text is `generate`'s on the
+    base and on PEFT's merge of the adapter; the two differ; the server drained and exited 0."""
+    from lora_adapters import merged
+    from conftest import reference_generate
+
+    smol, tok, texts = ns["smol"], ns["tokenizer"], ns["texts"]
+    assert ns["served_models"] == ["SmolLM2-135M-Instruct", "mine"] and list(texts) == ns["served_models"]
+    ids = tok.encode("The capital of France is")
+    for name, model in (("SmolLM2-135M-Instruct", smol), ("mine", merged(smol, ns["smol_adapter"]))):
+        want = reference_generate(model, ids, 8, eos_token_id=tok.eos_token_id)
+        assert texts[name] == tok.decode(want, skip_special_tokens=True), name
+        assert f"{name} {texts[name]!r}" in printed
+    assert texts["mine"] != texts["SmolLM2-135M-Instruct"]
+    assert ns["server"].returncode == 0
 
 
 def _check_server(ns: dict, printed: str) -> None:
@@ -138,7 +164,7 @@ def _check_responses(ns: dict, printed: str) -> None:
 
 # What each block promises, in the README's order (a block added there needs its check here).
 CHECKS = [_check_entry_points, _check_sampling, _check_structured, _check_speculative, _check_rl, _check_lora,
-          _check_server, _check_tools, _check_responses]
+          _check_lora_http, _check_server, _check_tools, _check_responses]
 
 
 def test_readme_python_blocks_run(capsys):
@@ -152,6 +178,8 @@ def test_readme_python_blocks_run(capsys):
                 if served is None:
                     served = _serve(namespace["model"], namespace["tokenizer"])
                 block = block.replace(README_URL, served[0])
+            if README_PORT in block:
+                block = block.replace(README_PORT, f"port = {_free_port()}")
             capsys.readouterr()
             try:
                 exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)

@@ -109,9 +109,11 @@ def wait_ready(server: Server, timeout: float) -> None:
 
 
 def launch(system: str, model_name: str, dtype: str, setting: dict, port: int,
-           timeout: float = READY_TIMEOUT_S) -> Server:
-    """Start one server and wait until it answers; its process group is its own (stop() ends all of it)."""
+           timeout: float = READY_TIMEOUT_S, extra_argv: tuple[str, ...] = ()) -> Server:
+    """Start one server and wait until it answers; its process group is its own (stop() ends all of it).
+    `extra_argv`: more flags of that system's own command line (e.g. its LoRA adapters)."""
     argv, extra = command(system, model_name, dtype, setting, port)
+    argv = [*argv, *extra_argv]
     env = {**os.environ, **extra}
     if system == "vllm":
         env.pop("PYTHONPATH", None)

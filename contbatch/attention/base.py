@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from ..cache.paged_cache import PagedAttentionCache
     from .metadata import StepMetadata
 
-# (q, k_cache, v_cache, meta, scale, window, softcap) plus `sinks=` where the model has them.
+# (q, k_cache, v_cache, meta, scale, window, softcap) plus `sinks=` where the model has them and
+# `chunk=` for layers of chunked local attention (the cache layout's `LayerKV.chunk`).
 Kernel = Callable[..., torch.Tensor]
 
 
@@ -61,9 +62,12 @@ class KernelBackend:
                scaling: float, sliding_window: int | None, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Keys come from the cache only (this step's were just written): `[1, T, H, D]` out.
-        Sinks reach only our kernels (start-up refuses them on flash-attn)."""
+        Sinks and chunks reach only our kernels (start-up refuses them on flash-attn)."""
         q = query[0].transpose(0, 1)  # [T, H, D]; contiguous, as the projections lay it out
         k_cache, v_cache = meta.cache.kv(layer)
         kernel = self.decode if meta.decode_only and self.decode is not None else self.varlen
         extra = {} if sinks is None else {"sinks": sinks}
+        chunk = meta.cache.layout.layer(layer).chunk
+        if chunk is not None:
+            extra["chunk"] = chunk
         return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap, **extra).unsqueeze(0)

@@ -19,13 +19,29 @@ if TYPE_CHECKING:
     from .base import AttentionBackend
 
 
-def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Which keys a query may see: causal, and within the window where the layer has one
-    (`q - k < window`, as `transformers` masks it). Broadcasts over its inputs."""
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None,
+                 chunk: int | None = None) -> torch.Tensor:
+    """Which keys a query may see: causal, within the window where the layer has one
+    (`q - k < window`, as `transformers` masks it), and in the query's own aligned chunk where
+    the layer attends in chunks (`k // chunk == q // chunk`, Llama 4's chunked local attention:
+    with `k <= q`, the same as `k >= first_visible(q)`). Broadcasts over its inputs."""
     visible = k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
+    if chunk is not None:
+        visible &= k_pos >= q_pos - q_pos % chunk
     return visible
+
+
+def first_visible(q_pos: int, sliding_window: int | None, chunk: int | None = None) -> int:
+    """The first key position a query at `q_pos` sees (`visible_keys`' lower bound)."""
+    lo = 0 if sliding_window is None else max(0, q_pos - sliding_window + 1)
+    return lo if chunk is None else max(lo, q_pos - q_pos % chunk)
+
+
+def layer_chunk(meta: "StepMetadata", layer: int) -> int | None:
+    """The attention chunk of a cache layer (None: not chunked), from the cache's layout."""
+    return meta.cache.layout.layer(layer).chunk
 
 
 @dataclass
@@ -47,6 +63,8 @@ class StepMetadata:
     max_kv_len: int
     prepared: object = None  # what the backend's `prepare` derived from the host copies
     lora: object = None  # LoRA rows grouped by adapter slot (lora/segments.py's LoraStep), None: no adapter row
+    recurrent: object = None  # the step's requests for recurrent mixers (recurrent.py's RecurrentStep), None: none
+    positions: torch.Tensor | None = None  # [T] int64: each token's position in its sequence
 
 
 def cache_layer(meta: StepMetadata, layer_idx: int) -> int:

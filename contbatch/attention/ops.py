@@ -14,6 +14,7 @@ import torch
 
 from ..context import active_step
 from .metadata import cache_layer
+from .temperature import tempered_query
 
 
 @torch.library.custom_op("contbatch::paged_attention", mutates_args=())
@@ -34,6 +35,7 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise RuntimeError("contbatch::paged_attention called outside a compiled engine step")
     layer = cache_layer(meta, layer)
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
+    query = tempered_query(query, meta, layer)
     window = None if sliding_window < 0 else sliding_window
     cap = None if softcap == 0 else softcap
     return meta.backend.attend(query, key, value, meta, layer, scaling, window, cap, sinks).contiguous()

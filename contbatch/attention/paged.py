@@ -3,7 +3,8 @@
 Each attention call of the model writes the step's new K/V into the paged cache and hands the
 layer to the backend chosen at start-up (`select.py`), with the step's `StepMetadata`. A call
 without it comes from outside the engine (a user's `model.generate` while a manager is
-attached) and goes to the attention the model had before.
+attached) and goes to the attention the model had before. Keys and values of different head
+dims (latent attention) are padded to one (`equal_head_dims`) before anything sees them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .. import context
 from . import ops  # noqa: F401  (registers torch.ops.contbatch.paged_attention)
+from . import recurrent
 from .metadata import StepMetadata, cache_layer
+from .temperature import tempered_query
 
 ATTENTION_NAME = "contbatch_paged"
 
@@ -42,7 +46,8 @@ def paged_attention_forward(
     step_metadata: StepMetadata | str | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query: [1, H, T, D]; key/value: [1, H_kv, T, D]; returns ([1, T, H, D], None)."""
+    """query and key: [1, H, T, Dk] and [1, H_kv, T, Dk]; value: [1, H_kv, T, Dv]; returns
+    ([1, T, H, Dv], None)."""
     if step_metadata is None and not torch.compiler.is_compiling():
         # Layers that drop `**kwargs` on the way down lose the kwarg: the step is on the thread.
         step_metadata = context.active_step()
@@ -53,20 +58,44 @@ def paged_attention_forward(
         )
     # Attention sinks (gpt-oss): one learned logit per query head, in every softmax denominator.
     sinks = kwargs.get("s_aux")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5  # before any padding
+    value_dim = value.shape[-1]
+    query, key, value = equal_head_dims(query, key, value)
+    out = _attend_step(module, query, key, value, step_metadata, scaling, sliding_window, softcap, sinks)
+    return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
+
+
+def equal_head_dims(query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q/K and V at one head dim, the larger (the cache's `LayerKV.width`): latent attention's
+    keys are wider than its values (zero value columns, sliced off the output, change nothing),
+    and a value wider than the keys gets zero query and key columns (which add nothing to any
+    score). Equal dims pass through untouched."""
+    dk, dv = key.shape[-1], value.shape[-1]
+    if dk == dv:
+        return query, key, value
+    width = max(dk, dv)
+    pad = [F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (query, key, value)]
+    return pad[0], pad[1], pad[2]
+
+
+def _attend_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 step_metadata: StepMetadata | str, scaling: float, sliding_window: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The step's attention of one layer: `[1, T, H, D]` at the (equal) head dim of q, k, v."""
     if step_metadata is context.COMPILED_STEP:  # a compiled step: one opaque op; the step is in the context
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         window = -1 if sliding_window is None else sliding_window
         layer = getattr(module, "_contbatch_layer", None)  # a tensor where layers are compile regions
         if layer is not None:
             return torch.ops.contbatch.paged_attention_region(query, key, value, layer, scaling, window,
-                                                              softcap or 0.0, sinks), None
+                                                              softcap or 0.0, sinks)
         return torch.ops.contbatch.paged_attention(query, key, value, module.layer_idx, scaling, window,
-                                                   softcap or 0.0, sinks), None
+                                                   softcap or 0.0, sinks)
     meta = step_metadata
     layer = cache_layer(meta, module.layer_idx)
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta.cache.write(layer, meta.write_slots, key[0], value[0])
-    return meta.backend.attend(query, key, value, meta, layer, scaling, sliding_window, softcap, sinks), None
+    query = tempered_query(query, meta, layer)
+    return meta.backend.attend(query, key, value, meta, layer, scaling, sliding_window, softcap, sinks)
 
 
 def _fallback_attention(module: torch.nn.Module) -> Callable:
@@ -96,7 +125,11 @@ def text_config(model: torch.nn.Module):
 
 
 def is_attached(model: torch.nn.Module) -> bool:
-    return ATTENTION_NAME in (model.config._attn_implementation, text_config(model)._attn_implementation)
+    return ATTENTION_NAME in (model.config._attn_implementation, text_config(model)._attn_implementation) or \
+        model.__dict__.get(_ATTACHED_FREE, False)
+
+
+_ATTACHED_FREE = "_contbatch_attached"  # an attention-free model's mark while attached
 
 
 def attach(model: torch.nn.Module) -> str:
@@ -109,6 +142,10 @@ def attach(model: torch.nn.Module) -> str:
     if is_attached(model):
         raise RuntimeError("this model is already attached to a running contbatch manager")
     original = model.config._attn_implementation
+    if recurrent.attention_free(model):  # no attention to route: only its mixers take engine steps
+        recurrent.install(model)
+        model.__dict__[_ATTACHED_FREE] = True
+        return original
     configs = {id(c): c for c in (model.config, text_config(model))}
     for key, config in configs.items():
         _fallbacks[key] = config._attn_implementation
@@ -117,10 +154,14 @@ def attach(model: torch.nn.Module) -> str:
         for key in configs:
             _fallbacks.pop(key, None)
         raise RuntimeError(f"{type(model).__name__} does not accept a custom attention implementation")
+    recurrent.install(model)
     return original
 
 
 def detach(model: torch.nn.Module, original: str) -> None:
+    recurrent.remove(model)
+    if model.__dict__.pop(_ATTACHED_FREE, False):
+        return
     model.set_attn_implementation(original)
     for config in (model.config, text_config(model)):
         _fallbacks.pop(id(config), None)

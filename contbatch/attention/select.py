@@ -147,14 +147,14 @@ def choose_backend(
 def _paged_adapters(decode_fn: Callable, varlen_fn: Callable, block_size: int) -> tuple[Kernel, Kernel]:
     """Our Triton kernels and their PyTorch reference share one signature: one adapter."""
 
-    def decode(q, k, v, meta, scale, window, softcap, sinks=None):
+    def decode(q, k, v, meta, scale, window, softcap, sinks=None, chunk=None):
         return decode_fn(q, k, v, meta.block_table, meta.kv_lens, scale, window, softcap, block_size=block_size,
-                         sinks=sinks)
+                         sinks=sinks, chunk=chunk)
 
-    def varlen(q, k, v, meta, scale, window, softcap, sinks=None):
+    def varlen(q, k, v, meta, scale, window, softcap, sinks=None, chunk=None):
         return varlen_fn(
             q, k, v, meta.block_table, meta.kv_lens, meta.cu_seqlens_q, meta.tile_request, meta.tile_start,
-            scale, window, softcap, out=torch.zeros_like(q), block_size=block_size, sinks=sinks,
+            scale, window, softcap, out=torch.zeros_like(q), block_size=block_size, sinks=sinks, chunk=chunk,
         )  # zeros: padding rows past the last request stay finite
 
     return decode, varlen

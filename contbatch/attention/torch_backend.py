@@ -18,6 +18,11 @@ From the step's host copies, `prepare` derives two kinds of work that every laye
 Attention sinks (gpt-oss's `s_aux`: one learned logit per query head that joins every
 softmax denominator and contributes no value) take the plain-matmul paths, which append the
 sink as one more score column and drop it after the softmax, as the models' eager code does.
+
+Layers may differ in KV heads (`cache/layout.py`): gather indices are made per head count, on
+first use in a step. Layers of chunked local attention (Llama 4: a query sees only its own
+aligned chunk of keys), which our C++ kernels do not implement, take the kernels' PyTorch
+reference (`varlen_reference.py`), which reads the same block tables and masks the chunk.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 
 from ..cache.paged_cache import PagedAttentionCache
 from ..cpu import ops as cpu_ops
-from .metadata import StepMetadata, visible_keys
+from .metadata import StepMetadata, layer_chunk, visible_keys
+from .varlen_reference import reference_varlen_attention
 
 MAX_DECODE_GROUPS = 4
 # Rows of up to this many query tokens (speculative verification, short chunks) go through the
@@ -46,9 +52,14 @@ class PrefillRow:
     q_start: int  # first row of this request in the flattened query
     q_len: int
     kv_len: int  # keys it attends to: everything cached before plus this chunk
-    # Gather index (see PagedAttentionCache.gather_index) of all kv_len keys; None when the
-    # chunk is the whole sequence so far (a first chunk): its keys are the step's fresh K/V.
-    kv_index: torch.Tensor | None
+    # Cache slots of all kv_len keys; None when the chunk is the whole sequence so far (a
+    # first chunk): its keys are the step's fresh K/V.
+    slots: torch.Tensor | None
+    _indices: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def kv_index(self, cache: PagedAttentionCache, kv_heads: int) -> torch.Tensor:
+        """Gather index (`PagedAttentionCache.gather_index`) of the keys, for a layer of `kv_heads`."""
+        return _index_for(self._indices, self.slots, cache, kv_heads)
 
 
 @dataclass
@@ -60,8 +71,13 @@ class DecodeGroup:
     num_rows: int
     kv_len: int  # padded key length of the group
     kv_lens: torch.Tensor  # [num_rows]: real key count of each row
-    kv_index: torch.Tensor  # gather index, [num_rows, H_kv, kv_len] flattened
+    slots: torch.Tensor  # [num_rows, kv_len] cache slots (the read-trash slot past a row's keys)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _indices: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def kv_index(self, cache: PagedAttentionCache, kv_heads: int) -> torch.Tensor:
+        """Gather index, `[num_rows, kv_heads, kv_len]` flattened, for a layer of `kv_heads`."""
+        return _index_for(self._indices, self.slots, cache, kv_heads)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Additive mask `[rows, 1, 1, kv_len]`, per sliding window, built once per step."""
@@ -103,6 +119,15 @@ class TorchStep:
     num_tokens: int  # tokens of real requests; rows past it are padding (compiled steps)
     decode_rows: DecodeRows | None = None  # set instead of decode_groups when the kernel runs
     prefill_chunks: PrefillChunks | None = None  # set instead of prefill_rows when the kernel runs
+
+
+def _index_for(indices: dict[int, torch.Tensor], slots: torch.Tensor, cache: PagedAttentionCache,
+               kv_heads: int) -> torch.Tensor:
+    """The gather index of `slots` for layers of `kv_heads` heads, made once per step."""
+    index = indices.get(kv_heads)
+    if index is None:
+        index = indices[kv_heads] = cache.gather_index(slots, kv_heads).to(cache.device)
+    return index
 
 
 def _leading_short_rows(q_lens: torch.Tensor) -> int:
@@ -166,7 +191,7 @@ class TorchBackend:
             key_pos = torch.arange(length)
             slots = table[lo:hi, key_pos // bs] * bs + key_pos % bs
             slots = torch.where(key_pos[None, :] < lens[:, None], slots, cache.read_trash_slot)
-            groups.append(DecodeGroup(lo, hi - lo, length, lens.to(device), cache.gather_index(slots).to(device)))
+            groups.append(DecodeGroup(lo, hi - lo, length, lens.to(device), slots))
         if self.prefill_kernel:
             chunks = torch.arange(num_decode, len(q_lens))
             chunks = chunks[q_lens[chunks] > 0]  # padding requests (a compiled step's bucket) have none
@@ -181,11 +206,11 @@ class TorchBackend:
             q_len, kv_len = int(q_lens[i]), int(kv_lens[i])
             if q_len == 0:  # a padding request (a compiled step's bucket): nothing to attend
                 continue
-            kv_index = None
+            slots = None
             if kv_len > q_len:
                 key_pos = torch.arange(kv_len)
-                kv_index = cache.gather_index(table[i, key_pos // bs] * bs + key_pos % bs).to(device)
-            rows.append(PrefillRow(int(cu_q[i]), q_len, kv_len, kv_index))
+                slots = table[i, key_pos // bs] * bs + key_pos % bs
+            rows.append(PrefillRow(int(cu_q[i]), q_len, kv_len, slots))
         return TorchStep(groups, rows, int(cu_q[-1]), decode_rows)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
@@ -194,6 +219,9 @@ class TorchBackend:
         """query: [1, H, T, D]; key/value: [1, H_kv, T, D] (already in the cache); sinks: [H]
         or None; -> [1, T, H, D]."""
         step: TorchStep = meta.prepared
+        chunk = layer_chunk(meta, layer)
+        if chunk is not None:
+            return _chunked(query, meta, layer, scaling, sliding_window, softcap, sinks, chunk)
         _, num_heads, total, head_dim = query.shape
         out = query.new_empty(total, num_heads, head_dim)
         if step.num_tokens < total:
@@ -219,12 +247,12 @@ class TorchBackend:
         for row in step.prefill_rows:
             s, n = row.q_start, row.q_len
             q = query[:, :, s : s + n]
-            if row.kv_index is None:
+            if row.slots is None:
                 k, v = key[:, :, s : s + n], value[:, :, s : s + n]
             else:
-                k, v = meta.cache.gather(layer, row.kv_index)
+                k, v = meta.cache.gather(layer, row.kv_index(meta.cache, key.shape[1]))
                 k, v = k.view(1, -1, row.kv_len, head_dim), v.view(1, -1, row.kv_len, head_dim)
-            if softcap is None and sinks is None and row.kv_index is None and sliding_window is None:
+            if softcap is None and sinks is None and row.slots is None and sliding_window is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
             else:
                 q_pos = torch.arange(row.kv_len - n, row.kv_len, device=query.device)[:, None]
@@ -251,8 +279,8 @@ def _decode(query: torch.Tensor, group: DecodeGroup, cache: PagedAttentionCache,
             sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [H, B, D] for the B rows of a decode group; returns [B, H, D]."""
     num_heads, batch, head_dim = query.shape
-    kv_heads = cache.layout.num_kv_heads
-    keys, values = cache.gather(layer, group.kv_index)
+    kv_heads = cache.layout.layer(layer).kv_heads
+    keys, values = cache.gather(layer, group.kv_index(cache, kv_heads))
     keys = keys.view(batch, kv_heads, group.kv_len, head_dim)
     values = values.view(batch, kv_heads, group.kv_len, head_dim)
     # Fold the query heads that share a KV head into one matrix: K/V are never repeated.
@@ -276,3 +304,15 @@ def _grouped_prefill(
     scores = scores.masked_fill(~visible, float("-inf"))  # [KV, G, n, L]
     probs = _softmax(scores, sinks).to(v.dtype)
     return torch.matmul(probs, v[0].unsqueeze(1)).reshape(1, num_heads, n, head_dim)
+
+
+def _chunked(query: torch.Tensor, meta: StepMetadata, layer: int, scaling: float, sliding_window: int | None,
+             softcap: float | None, sinks: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """A layer of chunked local attention, every row of the step, through the kernels' PyTorch
+    reference (float32 scores), which masks each query to its own chunk. query: [1, H, T, D]."""
+    k_cache, v_cache = meta.cache.kv(layer)
+    q = query[0].transpose(0, 1)
+    out = reference_varlen_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.cu_seqlens_q,
+                                     scale=scaling, sliding_window=sliding_window, softcap=softcap,
+                                     block_size=meta.cache.block_size, sinks=sinks, chunk=chunk)
+    return out.unsqueeze(0)

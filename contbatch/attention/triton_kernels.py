@@ -7,6 +7,8 @@ shapes, so a launch can be captured in a CUDA graph and replayed for any lengths
 
 Attention sinks (one logit per query head that joins the softmax denominator and carries no
 value) start each row's online softmax: running max = the sink, running sum = 1.
+Chunked local attention (`chunk`: a query sees only keys of its own aligned chunk) narrows
+each row's keys as a window does: a lower bound on the key tiles plus a mask.
 
 Only long-standing Triton features are used (masked loads/stores, `tl.dot`, dynamic `range`
 bounds, constexpr specialisation): the kernels must compile on older Triton releases than
@@ -54,10 +56,10 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_row,
-                 stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE: tl.constexpr,
+                 stride_ks, stride_vs, scale, softcap, window, chunk, BLOCK_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N), shared by both kernels.
     Slots are resolved per key because block_size need not divide (or be a multiple of)
     the tile. Masked scores are -inf while the running max starts finite, so a row that
@@ -75,6 +77,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_
     visible = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+    if USE_CHUNK:  # the query's own aligned chunk only (Llama 4's chunked local attention)
+        visible = visible & (offs_n[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
@@ -88,11 +92,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr, sink_ptr,
                    stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                   stride_bt, stride_ob, stride_oh, scale, softcap, window,
+                   stride_bt, stride_ob, stride_oh, scale, softcap, window, chunk,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (request, kv head). The GROUP query heads sharing the kv head are
     the rows of one `tl.dot`, padded to BLOCK_H >= 16: each K/V tile is loaded once for the
     whole group, and the products run on tensor cores for half-precision caches (for fp32,
@@ -111,6 +115,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr, sink_ptr,
     lo = 0
     if USE_WINDOW:
         lo = (tl.maximum(kv_len - window, 0) // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        last = tl.maximum(kv_len - 1, 0)
+        lo = tl.maximum(lo, ((last - last % chunk) // BLOCK_N) * BLOCK_N)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -122,8 +129,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr, sink_ptr,
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for start in range(lo, kv_len, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, h_ok, start, kv_len, k_base, v_base, bt_row,
-                                     stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST)
+                                     stride_ks, stride_vs, scale, softcap, window, chunk, BLOCK_SIZE,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, USE_CHUNK,
+                                     DOT_PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0: acc is 0, so the row is 0
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -132,10 +140,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, out_ptr, sink_ptr,
 @triton.jit
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_ptr, tile_start_ptr, out_ptr,
                    sink_ptr, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                   stride_bt, stride_ot, stride_oh, scale, softcap, window,
+                   stride_bt, stride_ot, stride_oh, scale, softcap, window, chunk,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr):
     """One program per (query tile, query head). The tile map is an input rather than
     derived from the program id so the grid stays fixed (padding tiles are -1 and exit)."""
@@ -158,6 +167,9 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_
     lo = 0
     if USE_WINDOW:
         lo = (tl.maximum(context + (row0 - q_begin) - window + 1, 0) // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:  # the tile's first row sees the least
+        first = context + (row0 - q_begin)
+        lo = tl.maximum(lo, ((first - first % chunk) // BLOCK_N) * BLOCK_N)
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     row_off = rows.to(tl.int64)[:, None]
     q = tl.load(q_ptr + row_off * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
@@ -173,8 +185,9 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, cu_q_ptr, tile_req_
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, row_ok, start, hi, k_base, v_base, bt_row,
-                                     stride_ks, stride_vs, scale, softcap, window, BLOCK_SIZE,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST)
+                                     stride_ks, stride_vs, scale, softcap, window, chunk, BLOCK_SIZE,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, USE_WINDOW, USE_SOFTCAP, USE_CHUNK,
+                                     DOT_PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + row_off * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -251,7 +264,7 @@ def _sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
 
 
 def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None,
-            sinks: torch.Tensor | None = None) -> dict:
+            sinks: torch.Tensor | None = None, chunk: int | None = None) -> dict:
     """Specialise on the features in use, so layers without a window or cap pay nothing for
     them (block_size is a constexpr too: fixed per engine, and slot arithmetic by a
     constant divisor compiles to shifts or multiplies). fp32 products run in "ieee"
@@ -259,7 +272,7 @@ def _consts(q: torch.Tensor, sliding_window: int | None, softcap: float | None,
     moot and "tf32" is the NVIDIA default, spelled out because a constexpr None is not
     treated as "default" by every Triton release."""
     return dict(BLOCK_N=BLOCK_N, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-                USE_SINKS=sinks is not None,
+                USE_SINKS=sinks is not None, USE_CHUNK=chunk is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=type(_decode_kernel).__name__ == "InterpretedFunction" and q.dtype != torch.float32)
 
@@ -268,10 +281,10 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            out: torch.Tensor | None = None, *, block_size: int,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Attention of one query token per request (at position kv_lens[b] - 1) over its paged
     keys. q, out: [B, H, D]; caches: [H_kv, slots, D] views of any strides (unit last);
-    sinks: [H] or None.
+    sinks: [H] or None; chunk: keys of the query's own aligned chunk only (None: all).
     The grid is (B, H_kv) whatever the lengths, so the launch is CUDA-graph capturable."""
     if q.dim() != 3 or kv_lens.shape != (q.shape[0],) or block_table.shape[0] != q.shape[0]:
         raise ValueError("decode expects q [B, H, D], kv_lens [B] and block_table [B, max_blocks]")
@@ -285,10 +298,10 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         q, key_cache, value_cache, block_table, kv_lens, out, _sinks(q, sinks),
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
         BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        **_consts(q, sliding_window, softcap, sinks))
+        **_consts(q, sliding_window, softcap, sinks, chunk))
     return out
 
 
@@ -297,7 +310,7 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            tile_request: torch.Tensor, tile_start: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            out: torch.Tensor | None = None, *, block_size: int,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Causal attention of a flattened mixed step (prompt chunks and decode rows) over the
     paged cache, whose K/V already include this step's tokens. The tile map comes from
     `varlen_tiles`; rows owned by no tile (padding past cu_seqlens_q[-1]) are not written."""
@@ -316,7 +329,7 @@ def paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         q, key_cache, value_cache, block_table, kv_lens, cu_seqlens_q, tile_request, tile_start, out, _sinks(q, sinks),
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
         value_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
         BLOCK_SIZE=int(block_size), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=VARLEN_BLOCK_M, BLOCK_D=block_d,
-        **_consts(q, sliding_window, softcap, sinks))
+        **_consts(q, sliding_window, softcap, sinks, chunk))
     return out

@@ -5,14 +5,15 @@ it computes in float32 throughout (whatever the cache dtype: the reference must 
 scores to bf16) and avoids per-token Python work: decode rows are batched in groups of
 similar key length, prompt chunks run one request at a time in bounded query chunks.
 Attention sinks (`sinks`, one logit per query head) join each softmax as one more column
-that is dropped afterwards. Needs no triton.
+that is dropped afterwards. `chunk` (Llama 4's chunked local attention: a query sees only the
+keys of its own aligned chunk) narrows the keys as a window does. Needs no triton.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .metadata import visible_keys
+from .metadata import first_visible, visible_keys
 
 # Decode rows whose key spans are within this factor of a group's shortest (or of
 # _MIN_SPAN) share one padded batched matmul: bounded padding, few Python iterations.
@@ -72,10 +73,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 
 def _decode_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  kv_lens: list[int], scale: float, sliding_window: int | None, softcap: float | None,
-                 block_size: int, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+                 block_size: int, out: torch.Tensor, sinks: torch.Tensor | None = None,
+                 chunk: int | None = None) -> None:
     """Single-query rows, written into out ([N, H, D]). Rows with no keys become zeros."""
     n_rows = q.shape[0]
-    starts = [max(0, n - sliding_window) if sliding_window is not None else 0 for n in kv_lens]
+    starts = [first_visible(n - 1, sliding_window, chunk) if n > 0 else 0 for n in kv_lens]
     spans = [n - s for n, s in zip(kv_lens, starts)]
     order = sorted((i for i in range(n_rows) if spans[i] > 0), key=spans.__getitem__)
     empty = [i for i in range(n_rows) if spans[i] <= 0]
@@ -93,7 +95,7 @@ def _decode_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         lens = torch.tensor([kv_lens[r] for r in rows], device=q.device)
         pos = torch.tensor([starts[r] for r in rows], device=q.device)[:, None]
         pos = pos + torch.arange(spans[rows[-1]], device=q.device)
-        visible = visible_keys(lens[:, None] - 1, pos, sliding_window)
+        visible = visible_keys(lens[:, None] - 1, pos, sliding_window, chunk)
         pos = torch.minimum(pos, lens[:, None] - 1)  # padding keys re-read a real slot, masked
         slots = _slots(block_table[idx], pos, block_size)
         o = _attend(q[idx][:, None], _gather(key_cache, slots), _gather(value_cache, slots), visible[:, None],
@@ -103,7 +105,7 @@ def _decode_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 def _chunk_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table_row: torch.Tensor,
                 kv_len: int, scale: float, sliding_window: int | None, softcap: float | None,
-                block_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                block_size: int, sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """All query rows ([n, H, D]) of one request, the last n of its kv_len positions, in
     chunks of at most _QUERY_CHUNK rows (each over only the keys it can see)."""
     n = q.shape[0]
@@ -111,11 +113,11 @@ def _chunk_rows(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for c0 in range(0, n, _QUERY_CHUNK):
         c1 = min(n, c0 + _QUERY_CHUNK)
-        lo = max(0, context + c0 - sliding_window + 1) if sliding_window is not None else 0
+        lo = first_visible(context + c0, sliding_window, chunk)  # the chunk's first query sees the least
         q_pos = torch.arange(context + c0, context + c1, device=q.device)
         k_pos = torch.arange(lo, context + c1, device=q.device)
         slots = _slots(table_row, k_pos, block_size)[None]
-        visible = visible_keys(q_pos[:, None], k_pos[None, :], sliding_window)
+        visible = visible_keys(q_pos[:, None], k_pos[None, :], sliding_window, chunk)
         result[c0:c1] = _attend(q[None, c0:c1], _gather(key_cache, slots), _gather(value_cache, slots),
                                 visible[None], scale, softcap, sinks)[0]
     return result
@@ -125,12 +127,12 @@ def reference_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
                                block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, softcap: float | None = None,
                                out: torch.Tensor | None = None, *, block_size: int,
-                               sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Same contract as `triton_kernels.paged_decode_attention`."""
     if out is None:
         out = torch.empty_like(q)
     _decode_rows(q, key_cache, value_cache, block_table, kv_lens.tolist(), scale, sliding_window, softcap,
-                 block_size, out, sinks)
+                 block_size, out, sinks, chunk)
     return out
 
 
@@ -139,7 +141,8 @@ def reference_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
                                tile_request: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
                                scale: float | None = None, sliding_window: int | None = None,
                                softcap: float | None = None, out: torch.Tensor | None = None, *,
-                               block_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               block_size: int, sinks: torch.Tensor | None = None,
+                               chunk: int | None = None) -> torch.Tensor:
     """Same contract as `triton_kernels.paged_varlen_attention`; the tile map is accepted
     (so the two are interchangeable) but not needed. Rows past cu_seqlens_q[-1] are left
     as they are (zeros when out is allocated here). Single-row requests take the batched
@@ -155,10 +158,11 @@ def reference_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         dec = torch.empty(len(single), *q.shape[1:], dtype=q.dtype, device=q.device)
         _decode_rows(q[rows], key_cache, value_cache, block_table[single], [lens[b] for b in single], scale,
-                     sliding_window, softcap, block_size, dec, sinks)
+                     sliding_window, softcap, block_size, dec, sinks, chunk)
         out[rows] = dec
     for b in range(len(lens)):
         if cu[b + 1] - cu[b] > 1:
             out[cu[b]:cu[b + 1]] = _chunk_rows(q[cu[b]:cu[b + 1]], key_cache, value_cache, block_table[b], lens[b],
-                                               scale, sliding_window, softcap, block_size, sinks).to(out.dtype)
+                                               scale, sliding_window, softcap, block_size, sinks,
+                                               chunk).to(out.dtype)
     return out

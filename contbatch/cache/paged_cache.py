@@ -1,6 +1,7 @@
 """The paged KV cache: per-layer K/V tensors addressed by block tables.
 
-Layout per layer: `[num_kv_heads, (num_blocks + 2) * block_size, head_dim]`. Heads first,
+Layout per layer: `[kv_heads, (num_blocks + 2) * block_size, width]`, with that layer's own
+heads and width (`layout.py`'s `LayerKV`; a layer of zero heads holds an empty tensor). Heads first,
 so a step's new keys (`[1, H, T, D]` out of the model) are written with one `index_copy_`
 and no transpose, and a block of one head is one contiguous tile for the kernels. The
 flash-attn backend needs token-major `[slots, num_kv_heads, head_dim]` instead
@@ -14,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from dataclasses import dataclass
 
 import psutil
 import torch
@@ -22,47 +22,13 @@ import torch
 from ..config import DEFAULT_CPU_MAX_MEMORY_PERCENT, DEFAULT_MAX_MEMORY_PERCENT, MIN_BLOCK_SIZE
 from ..cpu import ops as cpu_ops
 from .block_manager import BlockManager, blocks_for
+from .recurrent_state import RecurrentStateCache
+from .layout import KVLayout
 
 logger = logging.getLogger("contbatch")
 
 RESERVED_BLOCKS = 2
 HUGE_PAGE = 2 * 2**20
-# Models whose attention function receives K/V already repeated to every query head, so the
-# cache holds as many KV heads as query heads (JetMoE's mixture of attention heads repeats
-# its K/V once per active expert). The engine's start-up probe checks every layout against
-# the shapes the attention calls actually receive.
-KV_HEADS_ARE_QUERY_HEADS = {"jetmoe"}
-# Models whose layers call attention more than once per forward, on the same keys and different
-# values (DiffLlama's differential attention: two softmaxes, one per half of V): each call
-# keeps its own K/V in the cache, as one more cache layer.
-ATTENTION_CALLS_PER_LAYER = {"diffllama": 2}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of the model's KV: what one block costs. `num_layers` counts cache layers: the
-    model's layers times `calls_per_layer` (attention calls of each layer per forward)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    calls_per_layer: int = 1
-
-    def bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize
-
-    @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype) -> "KVLayout":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        if getattr(text, "model_type", None) in KV_HEADS_ARE_QUERY_HEADS:
-            kv_heads = heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        calls = ATTENTION_CALLS_PER_LAYER.get(getattr(text, "model_type", None), 1)
-        return cls(text.num_hidden_layers * calls, kv_heads, head_dim, dtype, calls)
 
 
 def solve_num_blocks(
@@ -77,6 +43,9 @@ def solve_num_blocks(
     a GPU's free memory; on the CPU, what the workload can use, within 0.2 of the available
     RAM, which the process shares with the model's weights and activations)."""
     per_block = layout.bytes_per_block(block_size)
+    if per_block == 0:  # no layer keeps KV (an attention-free model): blocks only count positions
+        wanted = blocks_for(wanted_tokens, block_size)
+        return wanted, f"no KV layers: {wanted} blocks number the workload's positions and hold nothing"
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         share = max_memory_percent or DEFAULT_MAX_MEMORY_PERCENT
@@ -113,10 +82,10 @@ class PagedAttentionCache:
         self.device = torch.device(device)
         self.token_major = token_major
         rows = (num_blocks + RESERVED_BLOCKS) * block_size
-        shape = (rows, layout.num_kv_heads, layout.head_dim) if token_major else (layout.num_kv_heads, rows, layout.head_dim)
+        shapes = [(rows, s.kv_heads, s.width) if token_major else (s.kv_heads, rows, s.width) for s in layout.layers]
         # Zeros, not empty: padded reads land in the trash block and must stay finite.
-        self.key_cache = [_zeros(shape, layout.dtype, self.device) for _ in range(layout.num_layers)]
-        self.value_cache = [_zeros(shape, layout.dtype, self.device) for _ in range(layout.num_layers)]
+        self.key_cache = [_zeros(shape, layout.dtype, self.device) for shape in shapes]
+        self.value_cache = [_zeros(shape, layout.dtype, self.device) for shape in shapes]
         self.read_trash_slot = num_blocks * block_size
         self.sentinel_slot = self.read_trash_slot + 1
         self.write_trash_slot = (num_blocks + 1) * block_size
@@ -124,6 +93,8 @@ class PagedAttentionCache:
         # On the CPU our C++ writer (cpu/csrc/kv_write_cpu.cpp) stores a step's rows without first
         # reading the cache lines they overwrite: aten's index_copy_ was ~10% of a decode step.
         self.native_write = self.device.type == "cpu" and cpu_ops.kv_write_available()
+        # Per-request states of a hybrid model's recurrent layers (None: the model has none).
+        self.recurrent: RecurrentStateCache | None = None
 
     @property
     def num_rows(self) -> int:
@@ -139,15 +110,18 @@ class PagedAttentionCache:
         k, v = self.key_cache[layer_idx], self.value_cache[layer_idx]
         return (k.transpose(0, 1), v.transpose(0, 1)) if self.token_major else (k, v)
 
-    def gather_index(self, slots: torch.Tensor) -> torch.Tensor:
-        """Row indices into the flattened `[H_kv * rows, D]` view that read `slots` ([..., n])
-        as `[..., H_kv, n, D]`, contiguous: one `index_select` per layer, no transpose copy."""
-        heads = torch.arange(self.layout.num_kv_heads, device=slots.device) * self.num_rows
+    def gather_index(self, slots: torch.Tensor, kv_heads: int | None = None) -> torch.Tensor:
+        """Row indices into the flattened `[H_kv * rows, D]` view of a layer of `kv_heads` heads
+        (default: the layout's most) that read `slots` ([..., n]) as `[..., H_kv, n, D]`,
+        contiguous: one `index_select` per layer, no transpose copy."""
+        count = self.layout.num_kv_heads if kv_heads is None else kv_heads
+        heads = torch.arange(count, device=slots.device) * self.num_rows
         return (heads[:, None] + slots.unsqueeze(-2)).reshape(-1)
 
     def gather(self, layer_idx: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at `index` (from `gather_index`), flat: `[len(index), D]`."""
-        d = self.layout.head_dim
+        """Keys and values at `index` (from `gather_index` with this layer's heads), flat:
+        `[len(index), D]`."""
+        d = self.layout.layer(layer_idx).width
         return (
             self.key_cache[layer_idx].view(-1, d).index_select(0, index),
             self.value_cache[layer_idx].view(-1, d).index_select(0, index),
@@ -160,15 +134,22 @@ class PagedAttentionCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def copy_out(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's K/V for every layer, as two host tensors `[layers, H_kv * n, D]`.
+        """A sequence's K/V for every layer, as two flat host tensors: each layer's
+        `[H_kv * n, D]` rows of its own shape, laid end to end (`copy_in` splits them back).
 
         One gather per layer on the device, then one batched device-to-host copy (into pinned
         memory, asynchronously, when the cache is on a GPU).
         """
-        index, width = self._rows_of(self.slots_of(blocks, num_tokens))
+        slots = self.slots_of(blocks, num_tokens)
         out = []
         for tensors in (self.key_cache, self.value_cache):
-            stacked = torch.stack([t.view(-1, width).index_select(0, index) for t in tensors])
+            parts = []
+            for layer, t in enumerate(tensors):
+                if not self.layout.layer(layer).kv_heads:  # a layer without KV: nothing to copy
+                    continue
+                index, width = self._rows_of(slots, layer)
+                parts.append(t.view(-1, width).index_select(0, index).reshape(-1))
+            stacked = torch.cat(parts)
             if self.device.type == "cuda":
                 host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
                 host.copy_(stacked, non_blocking=True)
@@ -178,12 +159,20 @@ class PagedAttentionCache:
 
     def copy_in(self, blocks: list[int], num_tokens: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Put back what `copy_out` took, into (possibly different) blocks."""
-        index, width = self._rows_of(self.slots_of(blocks, num_tokens))
+        slots = self.slots_of(blocks, num_tokens)
         keys = keys.to(self.device, non_blocking=True)
         values = values.to(self.device, non_blocking=True)
+        start = 0
         for layer in range(self.layout.num_layers):
-            self.key_cache[layer].view(-1, width).index_copy_(0, index, keys[layer])
-            self.value_cache[layer].view(-1, width).index_copy_(0, index, values[layer])
+            if not self.layout.layer(layer).kv_heads:
+                continue
+            index, width = self._rows_of(slots, layer)
+            size = index.numel() * width
+            for cache, flat in ((self.key_cache, keys), (self.value_cache, values)):
+                cache[layer].view(-1, width).index_copy_(0, index, flat[start : start + size].view(-1, width))
+            start += size
+        if start != keys.numel() or start != values.numel():
+            raise ValueError(f"copy_in was given {keys.numel()} / {values.numel()} values for a layout of {start}")
 
     def copy_positions(self, copies: list[tuple[int, int, int]]) -> None:
         """For each (src, dst, n): the first `n` positions of block `src`, every layer and KV
@@ -197,11 +186,12 @@ class PagedAttentionCache:
                 else:
                     cache[:, b : b + n].copy_(cache[:, a : a + n])
 
-    def _rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _rows_of(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, int]:
         """Rows of a 2-D view of one layer's tensor that hold `slots`, and that view's width."""
+        shape = self.layout.layer(layer)
         if self.token_major:
-            return slots, self.layout.num_kv_heads * self.layout.head_dim
-        return self.gather_index(slots), self.layout.head_dim
+            return slots, shape.kv_heads * shape.width
+        return self.gather_index(slots, shape.kv_heads), shape.width
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's new K/V (`[H_kv, T, D]`) at their slots (int64)."""

@@ -124,7 +124,7 @@ def shard_layout(layout: KVLayout, model: torch.nn.Module) -> KVLayout:
     if tp == 1:
         return layout
     check_tp_size(model.config.get_text_config(), tp)
-    return dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // tp)
+    return layout.shard(tp)  # every layer's own heads, split evenly
 
 
 def _own_linear(base: CpuPlan | None, own: CpuPlan | None) -> CpuPlan | None:

@@ -1,7 +1,10 @@
 """The LoRA contribution, added to a linear layer's output by a forward hook.
 
 For each adapter slot in the step (`segments.py`): `out[rows] += scale * (x[rows] @ A^T) @ B^T`,
-by `index_add_`, so rows of other adapters and rows of none are untouched. A forward hook
+by `index_add_`, so rows of other adapters and rows of none are untouched. A step of several
+adapters runs them as two batched products over its groups padded to the largest (the
+registry's stacked factors, ranks zero-padded to the largest): the count of ops per layer stays
+the same whatever the number of adapters in the batch. A forward hook
 runs after whatever forward the layer has, so it composes with the CPU linear router
 (`cpu/routers/linear.py` patches `forward`; hooks live apart from it) and with any kernel the
 router chose. The fused decoder layers call their linears' kernels themselves: a layer with a
@@ -62,6 +65,14 @@ class LoraHooks:
             if x.shape[0] != step.num_tokens:
                 raise RuntimeError(f"LoRA on {name!r}: the layer saw {x.shape[0]} rows in a step of "
                                    f"{step.num_tokens} tokens (only per-token layers can take adapters)")
+            if step.padded is not None:
+                stacked = registry.stacked(step.slots, name)
+                if stacked is not None:
+                    a, bt = stacked  # [G, R, in], [G, R, out] (scale folded in)
+                    xs = x.index_select(0, step.padded).view(len(step.slots), -1, module.in_features)
+                    h = torch.bmm(xs, a.transpose(1, 2)).masked_fill_(~step.keep, 0)
+                    out.index_add_(0, step.padded, torch.bmm(h, bt).view(-1, module.out_features))
+                return out.view(output.shape)
             for slot, rows in step.groups:
                 factors = registry.factors(slot, name)
                 if factors is None:

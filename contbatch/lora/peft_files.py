@@ -6,8 +6,10 @@ each targeted layer `A` is `[r, in_features]` and `B` is `[out_features, r]`, an
 apart and never merge them into the base weight, so one base model serves many adapters.
 
 Only what the engine applies exactly is accepted; the rest is a clear `ValueError` naming the
-field: DoRA, `fan_in_fan_out`, LoRA biases, `modules_to_save`, per-module rank or alpha
-patterns, and a tensor whose shape does not fit its layer.
+field: another PEFT method (IA3, ...), DoRA, `fan_in_fan_out`, LoRA biases, `modules_to_save`,
+per-module rank or alpha patterns, layer replication, activated LoRA, trainable tokens, LoRA on
+parameters, a pickled `adapter_model.bin` without safetensors, and a tensor whose shape does
+not fit its layer.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def read_config(path: str) -> dict:
         "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights",
         "modules_to_save": "modules_to_save", "rank_pattern": "per-module ranks (rank_pattern)",
         "alpha_pattern": "per-module alphas (alpha_pattern)",
+        # PEFT fields that change what the adapter computes beyond `scale * B @ A`:
+        "lora_bias": "LoRA biases (lora_bias)", "layer_replication": "layer_replication",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+        "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+        "target_parameters": "LoRA on parameters (target_parameters)",
     }
     for key, what in refused.items():
         if config.get(key):
@@ -87,7 +94,9 @@ def load_lora(path: str, model: torch.nn.Module) -> LoraWeights:
     config = read_config(path)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
-        raise ValueError(f"{path!r} is not a PEFT LoRA adapter: {WEIGHTS_FILE} is missing")
+        pickled = " (adapter_model.bin is not read: save with safe_serialization=True)" if os.path.isfile(
+            os.path.join(path, "adapter_model.bin")) else ""
+        raise ValueError(f"{path!r} is not a PEFT LoRA adapter: {WEIGHTS_FILE} is missing{pickled}")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -48,6 +48,7 @@ class AdapterRegistry:
     recency: OrderedDict = field(default_factory=OrderedDict)  # resident names, least recently used first
     evictions: int = 0
     loads: int = 0
+    _stacks: dict = field(default_factory=dict)  # (slots, module) -> stacked factors; cleared on any change
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -80,6 +81,7 @@ class AdapterRegistry:
             old_a.copy_(a)
             old_b.copy_(b)
         adapter.version += 1
+        self._stacks.clear()
         return adapter.version
 
     def get(self, name: str) -> Adapter:
@@ -101,6 +103,7 @@ class AdapterRegistry:
             adapter.weights = _moved(adapter.weights, self.device)
             adapter.slot = slot
             self.slots[slot] = adapter
+            self._stacks.clear()
         self.recency[name] = None
         self.recency.move_to_end(name)
         adapter.pins += 1
@@ -124,6 +127,7 @@ class AdapterRegistry:
         return None
 
     def _park(self, adapter: Adapter) -> None:
+        self._stacks.clear()
         self.slots[adapter.slot] = None
         adapter.slot = -1
         adapter.weights = _moved(adapter.weights, torch.device("cpu"))
@@ -136,6 +140,29 @@ class AdapterRegistry:
             return None
         ab = adapter.weights.factors.get(module)
         return None if ab is None else (ab[0], ab[1], adapter.weights.scale)
+
+    def stacked(self, slots: tuple[int, ...], module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The factors of `slots` for one layer as `A [G, R, in]` and `scale * B^T [G, R, out]`,
+        ranks zero-padded to the largest (zero rank rows add exact zeros), a slot without
+        factors for this layer all zeros; None when none has any. Cached until anything changes."""
+        key = (slots, module)
+        if key not in self._stacks:
+            found = [self.factors(s, module) for s in slots]
+            present = [f for f in found if f is not None]
+            if not present:
+                self._stacks[key] = None
+            else:
+                rank = max(a.shape[0] for a, _, _ in present)
+                a0, b0, _ = present[0]
+                a_all = a0.new_zeros((len(slots), rank, a0.shape[1]))
+                bt_all = b0.new_zeros((len(slots), rank, b0.shape[0]))
+                for i, f in enumerate(found):
+                    if f is not None:
+                        a, b, scale = f
+                        a_all[i, : a.shape[0]] = a
+                        bt_all[i, : a.shape[0]] = b.T * scale
+                self._stacks[key] = (a_all, bt_all)
+        return self._stacks[key]
 
     def salt(self, name: str) -> int:
         """The prefix-cache salt of a request on this adapter: which load it is and its weight

@@ -15,8 +15,15 @@ import torch
 
 @dataclass(frozen=True)
 class LoraStep:
+    """With several groups, the hooks run them as one batched product over the groups padded
+    to the largest: `padded` holds each group's rows then row 0 as filler ([G * m]), `keep`
+    says which entries are real ([G, m, 1]); filler entries contribute exact zeros."""
+
     num_tokens: int  # rows of every linear input in this step (padding included)
     groups: tuple[tuple[int, torch.Tensor], ...]  # (slot, row indices [n] int64), slots ascending
+    slots: tuple[int, ...] = ()
+    padded: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 def group_rows(token_slots: np.ndarray | None, num_tokens: int, device: torch.device) -> LoraStep | None:
@@ -34,4 +41,12 @@ def group_rows(token_slots: np.ndarray | None, num_tokens: int, device: torch.de
     present, starts = np.unique(slots, return_index=True)
     ends = np.append(starts[1:], len(slots))
     all_rows = torch.from_numpy(rows.astype(np.int64)).to(device)
-    return LoraStep(num_tokens, tuple((int(s), all_rows[a:b]) for s, a, b in zip(present, starts, ends)))
+    groups = tuple((int(s), all_rows[a:b]) for s, a, b in zip(present, starts, ends))
+    if len(groups) == 1:
+        return LoraStep(num_tokens, groups, (groups[0][0],))
+    width = int((ends - starts).max())
+    keep = np.arange(width)[None, :] < (ends - starts)[:, None]  # [G, m]
+    padded = np.zeros(keep.shape, np.int64)
+    padded[keep] = rows
+    return LoraStep(num_tokens, groups, tuple(int(s) for s in present),
+                    torch.from_numpy(padded.reshape(-1)).to(device), torch.from_numpy(keep[..., None]).to(device))

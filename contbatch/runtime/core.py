@@ -318,6 +318,8 @@ class EngineCore:
             self.cache.block_manager.commit_partial(state.request_id, state.all_token_ids, state.committed_tokens,
                                                     state.cache_salt)
         self.scheduler.remove(state.request_id)
+        if self.cache.recurrent is not None:
+            self.cache.recurrent.release(state.request_id)
         if self.speculator is not None:
             self.speculator.forget(state.request_id)
         self.publish(state)
@@ -339,6 +341,8 @@ class EngineCore:
         for state in [*extra, *self.scheduler.waiting, *self.scheduler.running.values()]:
             self.retire(state, RequestStatus.FAILED, reason)
         self.host.clear()
+        if self.cache.recurrent is not None:
+            self.cache.recurrent.clear()
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

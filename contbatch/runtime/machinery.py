@@ -15,7 +15,9 @@ import torch
 
 from ..attention.select import load_backend
 from ..attention.base import AttentionBackend
+from ..attention.recurrent import recurrent_mixers
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
+from ..cache.recurrent_state import RecurrentStateCache
 from ..config import ResolvedConfig
 from ..paths import cache_dir
 from .buckets import Bucketing
@@ -38,6 +40,8 @@ def build_machinery(model: torch.nn.Module, resolved: ResolvedConfig, layout: KV
     cache = PagedAttentionCache(layout, r.num_blocks, r.block_size, r.device,
                                 r.allow_block_sharing if primary else False,
                                 r.prefix_cache_eviction if primary else "lru", token_major=r.kv_layout == "token-major")
+    if primary and recurrent_mixers(model):
+        cache.recurrent = RecurrentStateCache(r.device, r.max_requests_per_batch)
     backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size, bool(r.cpu and r.cpu.prefill))
     bucketing = Bucketing(
         r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,

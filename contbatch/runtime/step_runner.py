@@ -36,6 +36,7 @@ from .compile import compile_counters
 from .step_batch import StepBatch, apply_carry
 from .graphs import GraphCache
 from ..lora.segments import group_rows
+from ..attention.recurrent import recurrent_step
 
 _LONG = ("input_ids", "carry", "positions", "write_slots", "logits_indices")
 
@@ -206,7 +207,8 @@ class StepRunner:
             if prev is not None:
                 apply_carry(views["input_ids"], views["carry"], prev.slot.tokens[: len(prev.batch.sampled)])
             lora = group_rows(batch.lora_slots, shape.num_tokens, self.cache.device)
-            logits = self._forward(slot, shape, views, graphed, prepared, lora)
+            recurrent = recurrent_step(self.cache.recurrent, batch) if self.cache.recurrent is not None else None
+            logits = self._forward(slot, shape, views, graphed, prepared, lora, recurrent)
             events = [(start, s.record("compute", timing=True))]
         # Proposals are not counted as computed: `EngineCore` adds the accepted ones.
         computed = [c.state.num_computed_tokens + c.num_tokens - len(c.draft) for c in batch.chunks]
@@ -228,7 +230,7 @@ class StepRunner:
             slot.h2d_done = s.record("h2d")
 
     def _forward(self, slot: IOSlot, shape: StepShape, views: dict[str, torch.Tensor], graphed: bool,
-                 prepared: object, lora: object = None) -> torch.Tensor:
+                 prepared: object, lora: object = None, recurrent: object = None) -> torch.Tensor:
         meta = StepMetadata(
             cache=self.cache,
             backend=self.backend,
@@ -244,6 +246,8 @@ class StepRunner:
             max_kv_len=shape.max_kv_len,
             prepared=prepared,
             lora=lora,
+            recurrent=recurrent,
+            positions=views["positions"],
         )
 
         inject("forward")

@@ -12,7 +12,8 @@ from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
 from ..cpu.knobs import CpuKnobs
 from ..cpu.plan import plan_cpu
-from ..distributed.group import shard_layout
+from ..attention.recurrent import recurrent_mixers
+from ..distributed.group import model_tp_size, shard_layout
 from ..runtime.compile import resolve_compile
 from .quantize import summary_of
 from ..config import (
@@ -76,6 +77,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     device, dtype = param.device, param.dtype
     layout = shard_layout(KVLayout.from_model_config(model.config, dtype), model)  # this rank's KV heads
     spec = cfg.speculative_config
+    recurrent = len(recurrent_mixers(model))
+    if recurrent:
+        check_recurrent(cfg, model, spec)
     if spec is not None and spec.max_step_rows is None:
         spec = dataclasses.replace(spec, max_step_rows=CPU_SPEC_ROWS if device.type == "cpu" else GPU_SPEC_ROWS)
     # A step's accepted proposals decide the next step's tokens and positions: it cannot be
@@ -83,8 +87,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     use_async = False if spec is not None else cfg.use_async_batching
     knobs = CpuKnobs.from_config(cfg.cpu_kernels, cfg.cpu_kernel_overrides)
     backend = choose_backend(
-        cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path, cfg.use_cuda_graph, use_async,
-        knobs.prefill,
+        cfg.attention_backend, device.type, cfg.block_size, cfg.decode_fast_path,
+        cfg.use_cuda_graph and not recurrent, use_async, knobs.prefill,
     )
     bs = backend.block_size
     max_context = model_context(model)
@@ -133,6 +137,15 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         cfg.default_compile_level, cfg.decode_compile_config, cfg.varlen_compile_config, device.type
     )
     notes += compile_notes
+    sharing = cfg.allow_block_sharing
+    if recurrent:
+        notes.append(RECURRENT_NOTE.format(n=recurrent))
+        if any(compiled.values()):
+            compile_warnings = [*compile_warnings, "compiled steps are off: the model has recurrent layers"]
+        if cfg.use_cuda_graph:
+            compile_warnings = [*compile_warnings, "use_cuda_graph=True is off: the model has recurrent layers"]
+        compiled = {"decode": None, "varlen": None}
+        sharing = False
     host_blocks, host_gib, clamped = offload_blocks(cfg, layout.bytes_per_block(bs))
     if clamped:
         notes.append(f"cpu_offload_space clamped from {cfg.cpu_offload_space} to {host_gib:.2f} GiB of available RAM")
@@ -155,9 +168,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         decode_fast_path=backend.decode_fast_path,
         max_queue_size=cfg.max_queue_size,
         kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
-        allow_block_sharing=cfg.allow_block_sharing,
+        allow_block_sharing=sharing,
         prefix_cache_eviction=cfg.prefix_cache_eviction,
-        hold_shared_prefixes=cfg.allow_block_sharing and cfg.hold_shared_prefixes,
+        hold_shared_prefixes=sharing and cfg.hold_shared_prefixes,
         cpu_offload_blocks=host_blocks,
         cpu_offload_gib=round(host_gib, 3),
         sliding_window_layers=windowed,
@@ -178,10 +191,32 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         return_logprobs=cfg.return_logprobs,
         speculative=spec,
         kv_heads_per_rank=layout.num_kv_heads,
+        kv_layers=layout.describe(),
         max_loras=cfg.max_loras,
         max_lora_rank=cfg.max_lora_rank,
+        recurrent_mixers=recurrent,
     )
     return resolved, layout
+
+
+RECURRENT_NOTE = (
+    "{n} recurrent layers keep a per-request state beside the KV cache (slots assigned at a request's first token, "
+    "released when it ends, kept while it waits on the host tier, rebuilt by recompute after a soft reset); "
+    "prefix sharing off (a recurrent state is not kept at block boundaries, so a cached prefix could not be "
+    "resumed), steps eager (no compiled forwards, no CUDA graphs: the mixers run each prompt chunk apart)"
+)
+
+
+def check_recurrent(cfg: ContinuousBatchingConfig, model: torch.nn.Module, spec) -> None:
+    """What a model with recurrent layers cannot run, refused with the reason."""
+    if spec is not None:
+        raise ValueError(
+            "speculative decoding cannot run on a model with recurrent layers: a rejected proposal would leave "
+            "its tokens in the recurrent state, which cannot be rolled back; use speculative_config=None"
+        )
+    if model_tp_size(model) > 1:
+        raise ValueError("tensor parallelism is not supported for models with recurrent layers (their mixers' "
+                         "states are not sharded); run the model on one process")
 
 
 def describe(resolved: ResolvedConfig) -> str:
@@ -209,6 +244,7 @@ def describe(resolved: ResolvedConfig) -> str:
         f"{resolved.varlen_compile.describe() if resolved.varlen_compile else 'eager'} "
         + (f"{resolved.cpu.describe(prefill=resolved.attention_backend == 'torch')} " if resolved.cpu else "")
         + (f"{resolved.quantization.describe()} " if resolved.quantization else "")
+        + f"kv_layers=[{resolved.kv_layers}] "
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"allow_block_sharing={resolved.allow_block_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "

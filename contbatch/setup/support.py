@@ -4,15 +4,23 @@ A model the engine cannot run exactly must be refused at start with a `ValueErro
 why and what to use instead, never fail request by request or return tokens `generate` would
 not produce. Two kinds of evidence, cheapest first:
 
-- the config and the classes: layer types the paged KV cache cannot hold (state-space,
-  linear attention, convolution, hybrids, indexed or compressed attention), cross-attention, a model class that does not route attention through
-  transformers' `AttentionInterface`, a forward that numbers positions itself;
+- the config and the classes: layer types the engine cannot hold (indexed or compressed
+  attention; recurrent layers unless their mixers take their state through transformers'
+  recurrent cache API, which `attention/recurrent.py` serves), stateful mixers of any other
+  kind, cross-attention, a model class that does not route attention through transformers'
+  `AttentionInterface`, a forward that numbers positions itself;
+- for recurrent models, a prompt computed whole and in two pieces (`resumable.py`): the engine
+  chunks prompts and resumes each recurrent layer from the state it kept;
 - one probe forward of three tokens, shaped like an engine step, through a recording attention
   function: each layer must attend once, with the K/V shapes the cache will be laid out
   for, causally, with the engine's mask untouched (no bias of the model's own), and with
   the sliding window its config promises. The probe computes plain causal attention, so the
   model's forward runs as it would in a step; nothing is cached and the model is restored.
 
+Layers may differ in KV heads and head dims, and keys in head dim from values (latent
+attention): the layout reads each layer's shape from the config (`cache/layout.py`) and the
+probe checks each call against its own layer's. Chunked local attention (Llama 4) carries no
+chunk in its calls: `layer_checks.py` checks the config's chunk against transformers' own mask.
 Attention sinks (`s_aux`, gpt-oss) run on every backend but flash-attn. Layers that reuse an
 earlier layer's K/V (Gemma 3n's KV sharing) hand their attention the shared K/V of the step's
 tokens: each keeps its own copy in the cache, which costs memory and stays exact.
@@ -30,17 +38,24 @@ import torch.nn.functional as F
 
 from ..attention.select import choose_backend
 from ..attention.paged import ENGINE_MASK, is_attached
+from ..attention.recurrent import is_recurrent_mixer, recurrent_mixers
+from .resumable import resume_gap
 from ..cache.paged_cache import KVLayout
 from ..distributed.group import shard_layout
-from ..config import ContinuousBatchingConfig
+from ..config import DEFAULT_CPU_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS, ContinuousBatchingConfig
+from .layer_checks import call_shape_mismatch, chunk_mismatch, temperature_tuning_mismatch
 
 PROBE_ATTENTION = "contbatch_probe"
 PROBE_TOKENS = 3
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's kernels
 INSTEAD = "use `model.generate` (plain transformers) for this model instead"
 
 # transformers' cache layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING) the engine runs,
 # and what the others are, for the message.
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dummy"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "dummy"}
+# Layer types whose recurrent state the engine keeps beside the KV cache (cache/recurrent_state.py),
+# served when the model's mixers take it through transformers' recurrent cache API.
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
 LAYER_TYPE_WORDS = {
     "linear_attention": "linear-attention / state-space (recurrent) layers",
     "conv": "convolution layers with a rolling state",
@@ -53,6 +68,7 @@ LAYER_TYPE_WORDS = {
 }
 # Sequence mixers that carry state from token to token outside attention (by class name).
 STATEFUL_MIXER = re.compile(r"Mamba|Rwkv|xLSTM|mLSTM|sLSTM|GatedDeltaNet|LinearAttention|ShortConv|Rglru|SSM\b")
+NOT_A_MIXER = re.compile(r"Norm$|RMSNorm|Gated$|Model$|ForCausalLM$|PreTrainedModel$")
 
 
 # Probe results of models checked before, with the model's fingerprint when probed: a model
@@ -110,10 +126,21 @@ def check_model_support(model: torch.nn.Module, config: ContinuousBatchingConfig
 
 def _check(model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
     text = _text_config(model)
-    _check_config(text)
-    _check_classes(model, text)
-    _check_heads(text)
-    layout = shard_layout(KVLayout.from_model_config(model.config, torch.float32), model)  # per TP rank
+    recurrent = bool(recurrent_mixers(model))
+    _check_config(text, recurrent)
+    attention_free = recurrent and _recurrent_only(text)  # e.g. Mamba: no attention, no positions
+    _check_classes(model, text, attention_free)
+    if not attention_free:
+        _check_heads(text)
+    try:
+        layout = shard_layout(KVLayout.from_model_config(model.config, torch.float32), model)  # per TP rank
+    except ValueError as exc:  # a layer shape the config cannot give, or heads TP cannot split
+        raise UnsupportedModel(str(exc)) from None
+    _check_layer_kinds(model, text, layout, config)
+    if recurrent and not is_attached(model):
+        why = resume_gap(model)
+        if why:
+            raise UnsupportedModel(why)
     if is_attached(model):  # attached to a running manager: not probed again
         calls = _probed.get(model, (None, None))[1]
         if calls is None:
@@ -122,14 +149,35 @@ def _check(model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
         key = _fingerprint(model)
         seen, calls = _probed.get(model, (None, None))
         if seen != key or calls is None:
-            calls = probe_attention_calls(model)
+            calls = probe_attention_calls(model, attention_free)
             _probed[model] = (key, calls)
-    _check_calls(calls, text, layout)
+    if calls or not recurrent:  # a model of recurrent layers only makes no attention call
+        _check_calls(calls, text, layout)
     if any("s_aux" in call.kwargs for call in calls) and _backend(model, config) == "flash":
         raise UnsupportedModel(
             "it uses attention sinks (s_aux), which the flash-attn backend does not implement (use "
             "attention_backend='triton' or 'torch')"
         )
+
+
+def _check_layer_kinds(model: torch.nn.Module, text, layout: KVLayout, config: ContinuousBatchingConfig) -> None:
+    """Chunked local attention (layer_checks.py): the config's chunk is the one transformers
+    masks with, any query temperature is exact, and the backend can chunk."""
+    reason = chunk_mismatch(text, _layer_types(text), layout) or temperature_tuning_mismatch(
+        text, layout, config.max_batch_tokens or _default_step_tokens(model))
+    if reason:
+        raise UnsupportedModel(reason)
+    if any(s.chunk for s in layout.layers) and _backend(model, config) == "flash":
+        raise UnsupportedModel("it has chunked local attention layers, which flash-attn's windows cannot express "
+                               "(use attention_backend='triton' or 'torch')")
+    if layout.head_dim > FLASH_MAX_HEAD_DIM and _backend(model, config) == "flash":
+        raise UnsupportedModel(f"a layer's K/V are {layout.head_dim} wide, more than flash-attn's largest head dim "
+                               f"({FLASH_MAX_HEAD_DIM}; use attention_backend='triton' or 'torch')")
+
+
+def _default_step_tokens(model: torch.nn.Module) -> int:
+    cpu = next(model.parameters()).device.type == "cpu"
+    return DEFAULT_CPU_MAX_BATCH_TOKENS if cpu else DEFAULT_MAX_BATCH_TOKENS
 
 
 def _backend(model: torch.nn.Module, config: ContinuousBatchingConfig) -> str:
@@ -145,11 +193,14 @@ def _text_config(model: torch.nn.Module):
         raise UnsupportedModel(f"its text decoder config cannot be found ({exc})") from None
 
 
-def _check_config(text) -> None:
+def _check_config(text, recurrent: bool = False) -> None:
+    """`recurrent`: the model's recurrent mixers take their state through transformers'
+    recurrent cache API, so the engine runs its recurrent layer types beside the KV cache."""
     if getattr(text, "add_cross_attention", False):
         raise UnsupportedModel("it has cross-attention layers (config.add_cross_attention), which need encoder states")
     layer_types = _layer_types(text)
-    unsupported = [t for t in dict.fromkeys(layer_types) if t not in SUPPORTED_LAYER_TYPES]
+    supported = SUPPORTED_LAYER_TYPES | (RECURRENT_LAYER_TYPES if recurrent else set())
+    unsupported = [t for t in dict.fromkeys(layer_types) if t not in supported]
     if unsupported:
         words = ", ".join(f"{LAYER_TYPE_WORDS.get(t, 'an unknown layer kind')} ({t!r})" for t in unsupported)
         raise UnsupportedModel(f"it has {words} in config.layer_types, which the paged KV cache cannot hold")
@@ -160,23 +211,14 @@ def _check_config(text) -> None:
 
 
 def _check_heads(text) -> None:
+    """Per-layer shapes (a heterogeneous config, latent attention) are the layout's to read
+    (cache/layout.py); here only: the model has attention heads at all."""
     try:
         heads = text.num_attention_heads
-        for name in ("num_key_value_heads", "head_dim"):
-            getattr(text, name, None)
-    except AttributeError:
+    except Exception:  # no global value (a recurrent or non-standard config)
         heads = None
-    except Exception:  # per-layer (heterogeneous) configs refuse to give one global value
-        raise UnsupportedModel("its attention shapes vary from layer to layer (config.per_layer_config), and the "
-                               "paged KV cache has one shape for every layer") from None
     if not heads:
         raise UnsupportedModel("its text config names no attention heads (a recurrent or non-standard model)")
-    if getattr(text, "kv_lora_rank", None):
-        raise UnsupportedModel(
-            "it uses multi-head latent attention (config.kv_lora_rank): its attention function receives per-head "
-            "K/V already decompressed from the latent (keys and values of different head dims), so the paged KV "
-            "cache could only hold the decompressed K/V, not the compressed latent"
-        )
 
 
 def _layer_types(text) -> list[str]:
@@ -189,23 +231,46 @@ def _layer_types(text) -> list[str]:
         return list(getattr(text, "layer_types", None) or [])
 
 
-def _check_classes(model: torch.nn.Module, text) -> None:
+def _recurrent_only(text) -> bool:
+    """Every layer is a recurrent one (no attention at all)."""
+    types = _layer_types(text)
+    return bool(types) and all(t in ("linear_attention", "conv") for t in types)
+
+
+def _check_classes(model: torch.nn.Module, text, attention_free: bool = False) -> None:
     from transformers import PreTrainedModel
 
-    mixers = sorted({type(m).__name__ for m in model.modules()
-                     if STATEFUL_MIXER.search(type(m).__name__) and not isinstance(m, PreTrainedModel)})
+    served = [name for name, m in model.named_modules() if is_recurrent_mixer(m)]
+    mixers = sorted({type(m).__name__ for name, m in model.named_modules()
+                     if STATEFUL_MIXER.search(type(m).__name__) and not isinstance(m, PreTrainedModel)
+                     and not NOT_A_MIXER.search(type(m).__name__) and not _attends(m)
+                     and not any(_related(name, other) for other in served)})
     if mixers:
         raise UnsupportedModel(f"it has recurrent / state-space sequence mixers ({', '.join(mixers[:3])})")
-    if not _takes_custom_attention(model):
+    if not attention_free and not _takes_custom_attention(model):
         raise UnsupportedModel(
             "its attention does not go through transformers' AttentionInterface, so no custom attention "
             "implementation (paged attention) can be set"
         )
-    if not _takes(model, "position_ids"):
+    if not attention_free and not _takes(model, "position_ids"):
         raise UnsupportedModel(
             "its forward takes no position_ids: it numbers positions itself, which a step that packs several "
             "requests into one row cannot honour"
         )
+
+
+def _attends(module: torch.nn.Module) -> bool:
+    """An attention layer (it calls transformers' attention functions), whatever its name."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _related(a: str, b: str) -> bool:
+    """One module name is the other or inside it (a mixer's own norm, or the block around it)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _takes_custom_attention(model: torch.nn.Module) -> bool:
@@ -250,16 +315,10 @@ def _check_calls(calls: list[AttentionCall], text, layout: KVLayout) -> None:
                 f"layer {idx} calls attention {seen[idx]} times per forward (a recurrent or looped model), and each "
                 "call would overwrite the layer's cached K/V"
             )
-        if call.key_dim != call.value_dim:
-            raise UnsupportedModel(
-                f"its keys and values have different head dims ({call.key_dim} vs {call.value_dim}), which the "
-                "paged KV cache (one head dim for K and V) cannot hold"
-            )
-        if (call.kv_heads, call.key_dim) != (layout.num_kv_heads, layout.head_dim):
-            raise UnsupportedModel(
-                f"layer {idx} attends with {call.kv_heads} KV heads of dim {call.key_dim}, but its config says "
-                f"{layout.num_kv_heads} of dim {layout.head_dim} (the cache would be laid out wrong)"
-            )
+        mismatch = call_shape_mismatch(idx, idx * layout.calls_per_layer + seen[idx] - 1, call.kv_heads,
+                                       call.key_dim, call.value_dim, layout)
+        if mismatch:
+            raise UnsupportedModel(mismatch)
         if not call.is_causal:
             raise UnsupportedModel(
                 "its self-attention is bidirectional (is_causal=False; for BERT-like models set "
@@ -280,9 +339,10 @@ def _check_calls(calls: list[AttentionCall], text, layout: KVLayout) -> None:
                 )
 
 
-def probe_attention_calls(model: torch.nn.Module) -> list[AttentionCall]:
+def probe_attention_calls(model: torch.nn.Module, attention_free: bool = False) -> list[AttentionCall]:
     """One forward of `PROBE_TOKENS` tokens, shaped like an engine step, through a recording
-    attention function; the model's attention implementation is restored afterwards."""
+    attention function; the model's attention implementation is restored afterwards. An
+    attention-free model (`attention_free`) keeps its own: the forward checks the rest."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -310,10 +370,11 @@ def probe_attention_calls(model: torch.nn.Module) -> list[AttentionCall]:
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.arange(PROBE_TOKENS, device=device)[None] % max(1, vocab - 3) + 3
     try:
-        model.set_attn_implementation(PROBE_ATTENTION)
+        if not attention_free:
+            model.set_attn_implementation(PROBE_ATTENTION)
         with torch.inference_mode():
             out = model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                        attention_mask=ENGINE_MASK, logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
+                        attention_mask=None if attention_free else ENGINE_MASK, logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
                         use_cache=False, step_metadata=None)  # the engine's call, without a step
     except UnsupportedModel:
         raise
@@ -321,8 +382,10 @@ def probe_attention_calls(model: torch.nn.Module) -> list[AttentionCall]:
         raise UnsupportedModel(f"a probe forward shaped like an engine step failed ({type(exc).__name__}: "
                                f"{str(exc)[:200]})") from None
     finally:
-        model.set_attn_implementation(original)
+        if not attention_free:
+            model.set_attn_implementation(original)
     logits = getattr(out, "logits", None)
     if logits is None or logits.shape[-2] != 1:
         raise UnsupportedModel("its forward does not honour logits_to_keep (the engine samples selected rows only)")
     return calls
+

@@ -65,7 +65,7 @@ def step_inputs(meta: Any) -> StepInputs | None:
     step = meta.prepared
     if (getattr(meta.backend, "name", None) == "torch" and not step.decode_groups and not step.prefill_rows
             and meta.write_slots.numel() == step.num_tokens and meta.cache.native_write
-            and meta.cache.layout.calls_per_layer == 1):
+            and meta.cache.layout.calls_per_layer == 1 and meta.cache.layout.uniform):
         d, c, rows = step.decode_rows, step.prefill_chunks, step.num_tokens
         kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None)
         inputs = StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
