@@ -166,6 +166,8 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
     pids = [int(x.split("=", 1)[1]) for x in args.pids]
     for url in servers.values():
         pids += pids_listening_on(urlparse(url).port or 80)
+    if launched:  # their start-up was ours: let it leave the load average first
+        H.wait_for_quiet(args.noise_threshold, log=lambda s: print(s, flush=True))
     monitor = H.LoadMonitor(threshold=args.noise_threshold, pids=sorted(set(pids))).start()
     machine = H.machine_info()
     print(f"command: {H.command_line()}\nmachine: {H.machine_line(machine)}\nserver pids (own load): {sorted(set(pids))}\n"

@@ -28,30 +28,74 @@ SAMPLE_INTERVAL_S = 1.0
 
 def noisy_rule(threshold: float = NOISE_THRESHOLD) -> str:
     return (f"noisy = 1-min load average before the run > {threshold}, or the mean foreign load during it > "
-            f"{threshold}; foreign load = 1-min load average - own busy threads, where own busy threads are the "
-            f"benchmark's process CPU time / wall time (servers' processes included), passed through the same "
-            f"{LOAD_TAU_S:.0f} s exponential average as the kernel's load average, sampled every "
-            f"{SAMPLE_INTERVAL_S:.0f} s")
+            f"{threshold}; foreign load = CPUs busy on the machine (/proc/stat, steal included) - CPUs busy with "
+            f"the benchmark's own processes (CPU time / wall time of the benchmark, its child processes, and the "
+            f"servers it names with theirs), sampled every {SAMPLE_INTERVAL_S:.0f} s")
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds spent busy on the whole machine so far (every CPU, steal included: time a
+    hypervisor gave to someone else is as foreign as another process)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in (fields + ["0"] * 8)[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc; 0 when it is gone."""
+    """utime + stime of a process (all its threads) and cutime + cstime (its children it has
+    waited for), from /proc; 0 when it is gone. Summed over a process tree sampled in turn,
+    a child that ends between two samples moves its seconds from its own entry to its
+    parent's cutime: the sum telescopes, nothing is lost or counted twice."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def _descendants(pids: Sequence[int]) -> set[int]:
+    """`pids` and every process below them (a server's workers: vLLM's engine runs in a child)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def wait_for_quiet(threshold: float = NOISE_THRESHOLD, timeout_s: float = 240.0, log=print) -> float:
+    """Wait (at most `timeout_s`) for the 1-minute load average to fall below `threshold`:
+    servers a benchmark has just started load the machine while they start, and that load,
+    ours, would still read as load before the run. Returns the load average when done."""
+    deadline = time.monotonic() + timeout_s
+    load = os.getloadavg()[0]
+    if load >= threshold:
+        log(f"waiting for the 1-minute load average ({load:.2f}) to fall below {threshold}")
+    while load >= threshold and time.monotonic() < deadline:
+        time.sleep(5.0)
+        load = os.getloadavg()[0]
+    return load
 
 
 class LoadMonitor:
     """Samples the 1-minute load average and the benchmark's own CPU time in a thread.
 
-    The kernel's load average counts runnable threads, ours included. Our own contribution is
-    estimated from CPU time: over each sample interval, busy = d(CPU seconds) / d(wall seconds)
-    (the average number of our threads on a CPU), and that is passed through the same
-    exponential average (tau 60 s) the kernel applies, starting from 0 at `start()`. What is
-    left, `load1 - own_ema`, is the foreign load (plus the decaying load from before the
-    start, which was not ours either). `pids` adds other processes (servers) to "own".
+    Foreign load is measured in CPU time, not from the load average: over each sample interval,
+    the machine's busy CPUs (`/proc/stat`) minus ours (d(CPU seconds) / d(wall seconds) of this
+    process, of `pids` (servers), and of every process below either). The load average counts
+    runnable threads, so a benchmark whose own threads outnumber the cores (a server beside
+    its load generator on 2 cores) would read its own queueing as foreign load. The load
+    average is still reported, and the one before the run still decides noisiness.
     """
 
     def __init__(self, interval: float = SAMPLE_INTERVAL_S, threshold: float = NOISE_THRESHOLD,
@@ -64,7 +108,9 @@ class LoadMonitor:
         self.result: dict | None = None
 
     def _cpu(self) -> float:
-        return time.process_time() + sum(_proc_cpu_seconds(p) for p in self.pids)
+        """Our CPU seconds: this process, the named processes, and every process below them
+        (the systems a benchmark runs in fresh child processes, a server's workers)."""
+        return sum(_proc_cpu_seconds(p) for p in _descendants([os.getpid(), *self.pids]))
 
     def add_pid(self, pid: int) -> None:
         self.pids.append(pid)
@@ -73,6 +119,7 @@ class LoadMonitor:
         self.before = os.getloadavg()
         self._t0 = self._last_t = time.perf_counter()
         self._cpu0 = self._last_cpu = self._cpu()
+        self._last_machine = _machine_busy_seconds()
         self._own_ema = 0.0
         self._thread = threading.Thread(target=self._loop, name="load-monitor", daemon=True)
         self._thread.start()
@@ -90,12 +137,15 @@ class LoadMonitor:
         if dt <= 0:
             return
         busy = max(0.0, (cpu - self._last_cpu) / dt)
+        machine = _machine_busy_seconds()
+        machine_busy = max(0.0, (machine - self._last_machine) / dt)
         decay = math.exp(-dt / LOAD_TAU_S)
         self._own_ema = self._own_ema * decay + busy * (1 - decay)
         load1 = os.getloadavg()[0]
         self.samples.append({"t": round(now - self._t0, 2), "load1": load1, "busy": round(busy, 3),
-                             "own_ema": round(self._own_ema, 3), "foreign": round(load1 - self._own_ema, 3)})
-        self._last_t, self._last_cpu = now, cpu
+                             "machine_busy": round(machine_busy, 3), "own_ema": round(self._own_ema, 3),
+                             "foreign": round(max(0.0, machine_busy - busy), 3)})
+        self._last_t, self._last_cpu, self._last_machine = now, cpu, machine
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
