@@ -3,6 +3,8 @@ dims, cached decompressed at one width, token-exact against `model.generate`."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -35,13 +37,7 @@ def _build(name: str) -> torch.nn.Module:
 
 
 MODELS = ("deepseek_v3", "deepseek_v2_wide_values", "minicpm3")
-_models: dict[str, torch.nn.Module] = {}
-
-
-def model_of(name: str) -> torch.nn.Module:
-    if name not in _models:
-        _models[name] = _build(name)
-    return _models[name]
+model_of = functools.cache(_build)  # each tiny model built once per module
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -4,6 +4,8 @@ against `model.generate`."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -46,13 +48,7 @@ SHAPES = {  # (kv heads, head dim) of each layer, as the layers' attention recei
     "gemma4_k_eq_v": [(2, 16), (1, 32), (2, 16), (1, 32)],
     "mimo_v2_flash": [(2, 16), (4, 16), (4, 16)],
 }
-_models: dict[str, torch.nn.Module] = {}
-
-
-def model_of(name: str) -> torch.nn.Module:
-    if name not in _models:
-        _models[name] = _build(name)
-    return _models[name]
+model_of = functools.cache(_build)  # each tiny model built once per module
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -13,7 +13,6 @@ states the load. Two tools:
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import threading
@@ -22,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 NOISE_THRESHOLD = 0.5  # foreign load (runnable threads not ours), in the units of the load average
-LOAD_TAU_S = 60.0  # the 1-minute load average is an exponential average with this time constant
 SAMPLE_INTERVAL_S = 1.0
 
 
@@ -120,7 +118,6 @@ class LoadMonitor:
         self._t0 = self._last_t = time.perf_counter()
         self._cpu0 = self._last_cpu = self._cpu()
         self._last_machine = _machine_busy_seconds()
-        self._own_ema = 0.0
         self._thread = threading.Thread(target=self._loop, name="load-monitor", daemon=True)
         self._thread.start()
         return self
@@ -139,11 +136,9 @@ class LoadMonitor:
         busy = max(0.0, (cpu - self._last_cpu) / dt)
         machine = _machine_busy_seconds()
         machine_busy = max(0.0, (machine - self._last_machine) / dt)
-        decay = math.exp(-dt / LOAD_TAU_S)
-        self._own_ema = self._own_ema * decay + busy * (1 - decay)
         load1 = os.getloadavg()[0]
         self.samples.append({"t": round(now - self._t0, 2), "load1": load1, "busy": round(busy, 3),
-                             "machine_busy": round(machine_busy, 3), "own_ema": round(self._own_ema, 3),
+                             "machine_busy": round(machine_busy, 3),
                              "foreign": round(max(0.0, machine_busy - busy), 3)})
         self._last_t, self._last_cpu, self._last_machine = now, cpu, machine
 

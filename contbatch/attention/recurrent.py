@@ -29,6 +29,7 @@ from ..context import active_step
 # The cache API a recurrent mixer calls (transformers' Cache, linear-attention part).
 STATE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
              "get_linear_cache", "set_linear_cache")  # the last two: MiniMax's cache, one state per layer
+RECURRENT_ONLY_TYPES = ("linear_attention", "conv")  # layer types without any attention
 CACHE_PARAMS = ("cache", "cache_params", "past_key_values")
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "step_metadata")
 # State indices a view offers per layer (transformers' layers keep one to three).
@@ -146,18 +147,17 @@ class StateView:
 # -- finding and wrapping the mixers ---------------------------------------------------------
 def is_recurrent_mixer(module: torch.nn.Module) -> bool:
     """Its forward calls transformers' recurrent cache API itself."""
-    return _calls_state_api(type(module))
+    return any(f".{name}(" in forward_source(type(module)) for name in STATE_API)
 
 
 @functools.lru_cache(maxsize=None)
-def _calls_state_api(cls: type) -> bool:
-    """Read once per class: a model has hundreds of modules of a few classes."""
-    forward = cls.forward
+def forward_source(cls: type) -> str:
+    """The source of a module class's forward ("" when it has none to read), read once per
+    class: a model has hundreds of modules of a few classes."""
     try:
-        source = inspect.getsource(forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
-        return False
-    return any(f".{name}(" in source for name in STATE_API)
+        return ""
 
 
 def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -165,13 +165,14 @@ def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def attention_free(model: torch.nn.Module) -> bool:
-    """Every layer of the model is recurrent (Mamba): nothing to route through paged attention."""
+    """Every layer of the model is recurrent (Mamba): nothing to route through paged attention.
+    The one rule for the support check and for attaching, so the two always agree."""
     try:
         text = model.config.get_text_config(decoder=True)
     except Exception:
         text = model.config
     types = list(getattr(text, "layer_types", None) or [])
-    return bool(types) and all(t in ("linear_attention", "conv") for t in types) and bool(recurrent_mixers(model))
+    return bool(types) and all(t in RECURRENT_ONLY_TYPES for t in types) and bool(recurrent_mixers(model))
 
 
 def install(model: torch.nn.Module) -> int:

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from ..attention.select import choose_backend
 from ..attention.paged import ENGINE_MASK, is_attached
-from ..attention.recurrent import is_recurrent_mixer, recurrent_mixers
+from ..attention.recurrent import attention_free as is_attention_free
+from ..attention.recurrent import forward_source, is_recurrent_mixer, recurrent_mixers
 from .resumable import resume_gap
 from ..cache.paged_cache import KVLayout
 from ..distributed.group import shard_layout
@@ -128,7 +129,7 @@ def _check(model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
     text = _text_config(model)
     recurrent = bool(recurrent_mixers(model))
     _check_config(text, recurrent)
-    attention_free = recurrent and _recurrent_only(text)  # e.g. Mamba: no attention, no positions
+    attention_free = recurrent and is_attention_free(model)  # e.g. Mamba: no attention, no positions
     _check_classes(model, text, attention_free)
     if not attention_free:
         _check_heads(text)
@@ -231,12 +232,6 @@ def _layer_types(text) -> list[str]:
         return list(getattr(text, "layer_types", None) or [])
 
 
-def _recurrent_only(text) -> bool:
-    """Every layer is a recurrent one (no attention at all)."""
-    types = _layer_types(text)
-    return bool(types) and all(t in ("linear_attention", "conv") for t in types)
-
-
 def _check_classes(model: torch.nn.Module, text, attention_free: bool = False) -> None:
     from transformers import PreTrainedModel
 
@@ -261,10 +256,7 @@ def _check_classes(model: torch.nn.Module, text, attention_free: bool = False) -
 
 def _attends(module: torch.nn.Module) -> bool:
     """An attention layer (it calls transformers' attention functions), whatever its name."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return False
+    source = forward_source(type(module))
     return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
 
 
