@@ -11,11 +11,12 @@ model's weights as a safetensors folder, `make bench-peers`). Two workloads per 
 Engines: `contbatch serve --lora ...` and, when the peers' venv is set up, vLLM's CPU build
 (`--enable-lora --lora-modules ...`: its CPU platform applies LoRA with its PyTorch punica ops,
 compiled graphs off). Each (engine, workload) is a system run in a fresh server process: started,
-warmed up (the same streams with a few tokens each, untimed), timed once, stopped; `--repeats` rounds,
+warmed up (as many streams of other prompts, a few tokens each, untimed: no prefix cache holds
+the timed prompts), timed once, stopped; `--repeats` rounds,
 the first system rotated each round. Reported per system: output tok/s, TTFT p50 and TPOT p50 of
 the streams, median [min, max] over the rounds, and per engine the ratio lora / base of tok/s.
 
-Checked: in each system's first round, a greedy completion of one prompt on every model it
+Checked: in each system's first round, a greedy completion of one warm-up prompt on every model it
 serves (the base and each adapter, `--check-tokens` tokens) is compared with `model.generate` on
 that model with the adapter merged here (`W + scale * B @ A`); a system whose text differs shows
 MISMATCH and, for contbatch, keeps the run out of RESULTS.md.
@@ -152,7 +153,7 @@ def _complete(url: str, model: str, prompt: str, tokens: int) -> str:
     return resp.json()["choices"][0]["text"]
 
 
-def run_system(engine: str, workload: str, args, adapters: dict[str, str], texts: list[str],
+def run_system(engine: str, workload: str, args, adapters: dict[str, str], texts: list[str], warm: list[str],
                expected: dict[str, str] | None) -> dict:
     """One fresh server of `engine` on `workload`: warm-up, (check), one timed pass, stop."""
     import statistics
@@ -164,12 +165,13 @@ def run_system(engine: str, workload: str, args, adapters: dict[str, str], texts
     try:
         names = ([f"a{i % len(adapters)}" for i in range(len(texts))] if workload == "lora"
                  else [server.name] * len(texts))
-        # Warm-up, untimed: every stream once with a few tokens (every model it names, every batch size).
-        asyncio.run(_streams(server.url, names, texts, min(args.new_tokens, 4)))
+        # Warm-up, untimed: as many streams of other prompts, a few tokens each (every model it names, every
+        # batch size), so that no prefix cache holds the timed prompts.
+        asyncio.run(_streams(server.url, names, warm, min(args.new_tokens, 4)))
         mismatched = None
         if expected is not None:
             check = [server.name, *([n for n in adapters] if workload == "lora" else [])]
-            mismatched = [n for n in check if _complete(server.url, n, texts[0], args.check_tokens) != expected[n]]
+            mismatched = [n for n in check if _complete(server.url, n, warm[0], args.check_tokens) != expected[n]]
         results, wall = asyncio.run(_streams(server.url, names, texts, args.new_tokens))
     finally:
         server.stop()
@@ -213,20 +215,22 @@ def main() -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
     adapters = write_adapters(model, paths.work_dir() / "lora-adapters" / args.peer_model, args.adapters, args.rank)
     texts = prompts(tok, args.streams, args.prompt_len)
-    expected = (references(model, tok, texts[0], adapters, args.check_tokens, args.peer_model)
+    warm = prompts(tok, args.streams, args.prompt_len, seed=1)
+    expected = (references(model, tok, warm[0], adapters, args.check_tokens, args.peer_model)
                 if args.check_tokens else None)
     del model
 
     systems = [(e, w) for e in engines for w in WORKLOADS]
     runs: dict[tuple, list[dict]] = {s: [] for s in systems}
     refused: dict[str, str] = {}
+    H.wait_for_quiet(log=lambda s: print(s, flush=True))  # the references above were our own load
     load = H.LoadRange()
     for r, (engine, workload) in H.rounds(systems, args.repeats):
         if engine in refused:
             continue
         H.log(f"round {r + 1}: {engine} / {workload}")
         try:
-            runs[(engine, workload)].append(run_system(engine, workload, args, adapters, texts,
+            runs[(engine, workload)].append(run_system(engine, workload, args, adapters, texts, warm,
                                                        expected if not runs[(engine, workload)] else None))
         except (PeerError, RuntimeError) as exc:
             if engine == "contbatch":

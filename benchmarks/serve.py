@@ -21,7 +21,9 @@ workload (`peers/ttft.py`: system prompts of 30, 100, 300 and 1000 tokens; a lon
 32 concurrent, TTFT p50 and p99). One request decoding is `--max-concurrency 1` (TPOT p50).
 
 With `--compare` or `--launch`, each server is a system: one untimed warm-up pass (every load level), then
-`--repeats` interleaved rounds, the first server rotated each round; output tok/s and TTFT /
+`--repeats` interleaved rounds, the first server rotated each round (with `--dataset random`, every
+load level of every pass draws fresh prompts, so that no server's prefix cache answers a prompt
+it saw in an earlier pass); output tok/s and TTFT /
 TPOT p50 are reported as median [min, max] per load level, with ratios against each other
 server. The servers' processes (found by their listening port, or `--pids`) count as the
 benchmark's own threads in the load sampling. Before timing, greedy non-streamed completions of
@@ -147,7 +149,12 @@ def compare(argv: list[str]) -> int:
             return serve_launch.ttft_pass(ep, tokenizer, plan, args.seed + next(passes), args.timeout)
         out = {}
         for load in loads:
-            results, duration = asyncio.run(run_level(ep, requests, load, args.seed, args.timeout, progress=False))
+            level_requests = requests
+            if args.dataset == "random":  # fresh prompts for every level of every pass: no server answers from its cache
+                level_requests = random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                                                args.range_ratio, args.seed + next(passes))
+            results, duration = asyncio.run(run_level(ep, level_requests, load, args.seed, args.timeout,
+                                                      progress=False))
             out[load.label()] = level_stats(load, results, duration)
         return out
 

@@ -16,6 +16,7 @@ import os
 import torch
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager
+from contbatch.cpu.routers.layer import LayerRouter
 from conftest import reference_generate
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -61,7 +62,8 @@ def expected(refs: dict, prompts: list[list[int]], names: list, max_new: int) ->
 def served(model: torch.nn.Module, config: ContinuousBatchingConfig, prompts: list[list[int]], names: list,
            paths: dict[str, str], max_new: int) -> tuple[list[list[int]], dict]:
     """The engine's greedy tokens for `prompts` on the adapters `names` (None: the base), with
-    every adapter of `paths` loaded; and the manager's stats, with the speculative proposals."""
+    every adapter of `paths` loaded; and the manager's stats, with the speculative proposals and
+    the one-call CPU layers' checked kinds of step (`fused_checked`) and verdict (`fused_enabled`)."""
     manager = ContinuousBatchingManager(model, config=config)
     manager.start()
     try:
@@ -73,6 +75,10 @@ def served(model: torch.nn.Module, config: ContinuousBatchingConfig, prompts: li
             assert out.error is None, out.error
         stats = manager.stats()
         stats["spec_draft_tokens"] = sum(o.spec_draft_tokens for o in outs.values())
+        routers = getattr(getattr(manager, "_routers", None), "routers", ())
+        layer = next((r for r in routers if isinstance(r, LayerRouter)), None)
+        stats["fused_checked"] = set() if layer is None else {kind for _, _, kind in layer.shared.checked}
+        stats["fused_enabled"] = layer is not None and layer.shared.enabled
     finally:
         manager.stop()
         manager.destroy()

@@ -52,11 +52,11 @@ def test_fused_layers_equal_generate_in_every_kind_of_step(arch):
     json.dumps(dataclasses.asdict(plan))  # part of resolved_config.as_dict()
     lone = random_prompts(1, 30, 30, seed=3)
     _, results, checked, enabled = _run(model, lone, 10, block_size=4)
-    assert enabled and checked == {(2, False, True), (0, True, False)}  # the prompt, then one decode row
+    assert enabled and checked == {(2, False, True, False), (0, True, False, False)}  # the prompt, then one decode row
     assert results == [reference_generate(model, lone[0], 10)]
     prompts = random_prompts(7, 1, 60, seed=11)
     _, results, checked, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
-    assert enabled and {(1, True, False), (2, True, True)} <= checked, checked
+    assert enabled and {(1, True, False, False), (2, True, True, False)} <= checked, checked
     for prompt, got in zip(prompts, results):
         assert got == reference_generate(model, prompt, 8)
 

@@ -256,6 +256,7 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     same way without probing (and so rounds the same way), and its start-up line says where
     the verdicts came from; a damaged file is probed over."""
     monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear_router.ForeignLoad, "cores", lambda self: 0.0)  # a quiet machine, whatever runs
 
     def new_process() -> probe.ProbeStore:
         store = probe.ProbeStore()
@@ -282,6 +283,52 @@ def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypa
     third = linear_router.plan_linear(llama_model)
     assert "probed in" in third.summary and store.probed > 0
     assert json.loads(path.read_text())  # written again, whole
+
+
+def test_probe_timings_taken_under_foreign_load_are_not_saved(llama_model, tmp_path, monkeypatch, caplog):
+    """Timings taken while other processes kept the CPUs busy route this process only: the
+    start-up line and a warning say so, nothing reaches the file, and the next start probes
+    again (and saves, the machine being quiet then). A later quiet window in the same process
+    does not carry the loaded window's timings into the file either."""
+    monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
+    store = probe.ProbeStore()
+    monkeypatch.setattr(probe, "store", store)
+    monkeypatch.setattr(linear_router.ForeignLoad, "cores", lambda self: 1.5)
+    with caplog.at_level("WARNING", logger="contbatch"):
+        loaded = linear_router.plan_linear(llama_model)
+    assert store.probed > 0 and not store.path.exists()
+    assert "other processes kept 1.5 CPUs busy (timings not saved" in loaded.summary
+    assert any("probed while other processes kept 1.5 CPUs busy" in r.getMessage() for r in caplog.records)
+    assert store.save(0.0) and not store.path.exists()  # the loaded window's timings stay in memory only
+    monkeypatch.setattr(linear_router.ForeignLoad, "cores", lambda self: 0.0)
+    store = probe.ProbeStore()
+    monkeypatch.setattr(probe, "store", store)
+    quiet = linear_router.plan_linear(llama_model)
+    assert store.probed > 0 and "probe verdicts reused" not in quiet.summary and store.path.is_file()
+    assert set(json.loads(store.path.read_text())) == set(store.times)
+
+
+def test_foreign_load_counts_other_processes_only():
+    """Our own busy threads are not foreign load; a busy child process is (it is another process
+    until waited for, as any neighbour is)."""
+    import subprocess
+    import sys
+    import time
+
+    from contbatch.cpu.load import ForeignLoad
+    watch = ForeignLoad()
+    if watch.cores() is None:
+        pytest.skip("no /proc here")
+    end = time.perf_counter() + 0.6
+    while time.perf_counter() < end:
+        pass
+    assert watch.cores() < 0.5  # a busy loop of our own
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])
+    watch = ForeignLoad()
+    time.sleep(1.0)
+    busy = watch.cores()
+    child.wait()
+    assert busy > 0.5
 
 
 @pytest.mark.parametrize("kernel", ["auto", "onednn"])

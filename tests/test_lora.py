@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from contbatch import ContinuousBatchingConfig, generate_batch
+from contbatch.cpu import native
 from contbatch.sampling.params import SamplingParams
 from conftest import make_tiny_model, random_prompts, reference_generate
 from lora_adapters import ATTENTION, MLP, expected, references, served, write_adapters
@@ -87,13 +88,16 @@ def llama(tmp_path_factory):
 
 def test_mixed_batch_on_routed_and_fused_kernels(llama):
     """The LoRA hook composes with the CPU linear router (small_linear forced) and the one-call
-    decoder layers (forced on: layers with adapter hooks take their own forward)."""
+    decoder layers (forced on): the call runs the hooks' products itself, in steps of adapter
+    rows checked bit for bit against the layers' own forward, and stays on."""
     model, paths, refs = llama
     prompts = random_prompts(5, 5, 16, seed=21)
     names = [None, "three", "one", "two", None]
     config = ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "small_linear", "layer": "layer"})
-    got, _ = served(model, config, prompts, names, paths, MAX_NEW)
+    got, stats = served(model, config, prompts, names, paths, MAX_NEW)
     assert got == expected(refs, prompts, names, MAX_NEW)
+    if native.load()[0]:
+        assert stats["fused_enabled"] and any(kind[3] for kind in stats["fused_checked"]), stats["fused_checked"]
 
 
 def test_generate_batch(llama):

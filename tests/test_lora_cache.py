@@ -159,3 +159,48 @@ def test_registry_lru_bookkeeping():
         reg.remove("x")
     with pytest.raises(ValueError, match="max_lora_rank"):
         reg.register("big", "big", _weights(16))
+
+
+@pytest.mark.parametrize("slots", [
+    [0, 0, 0, 0],  # one adapter, every row: no filler needed
+    [2, -1, 0, 2, 0, 2],  # two groups of 2 and 3, a base row
+    [1, 1, -1, 3, 3],  # groups of equal size and a base row: a filler entry is added for it
+    [5],
+])
+@pytest.mark.parametrize("padding", [0, 3])
+def test_lora_groups_gather_back_to_their_rows(slots, padding):
+    """The step's grouping (lora/segments.py) against a loop: every adapter row sits in its
+    slot's group and `inverse` finds it there; rows of no adapter (and the step's padding rows)
+    read a filler entry, which the hook zeroes; the hook's sum equals a per-row computation."""
+    from contbatch.lora.segments import group_rows
+    import numpy as np
+
+    token_slots = np.array(slots, np.int64)
+    n = len(slots) + padding
+    step = group_rows(token_slots, n, torch.device("cpu"))
+    groups = len(set(s for s in slots if s >= 0))
+    assert step.slots == tuple(sorted(set(s for s in slots if s >= 0)))
+    rows, drop, inverse = step.rows.tolist(), step.drop.view(groups, -1).tolist(), step.inverse.tolist()
+    flat_drop = [d for g in drop for d in g]
+    width = len(rows) // groups
+    for r in range(n):
+        entry = inverse[r]
+        if r < len(slots) and slots[r] >= 0:
+            assert rows[entry] == r and not flat_drop[entry]
+            assert step.slots[entry // width] == slots[r]
+        else:
+            assert flat_drop[entry]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=generator)
+    a = torch.randn(groups, 2, 6, generator=generator)
+    bt = torch.randn(groups, 2, 5, generator=generator)
+    base = torch.randn(n, 5, generator=generator)
+    xs = x.index_select(0, step.rows).view(groups, -1, 6)
+    h = torch.bmm(xs, a.transpose(1, 2)).masked_fill_(step.drop, 0)
+    got = base + torch.bmm(h, bt).view(-1, 5).index_select(0, step.inverse)
+    want = base.clone()
+    for r, s in enumerate(slots):
+        if s >= 0:
+            g = step.slots.index(s)
+            want[r] += (x[r] @ a[g].T) @ bt[g]
+    torch.testing.assert_close(got, want)

@@ -54,6 +54,23 @@ def _pickled(model, path: str) -> str:
     return path
 
 
+def _with_config(key: str, value):
+    """A PEFT LoRA adapter whose config also sets `key` (as PEFT writes it for that feature)."""
+    import json
+
+    def write(model, path: str) -> str:
+        write_adapter(model, path)
+        file = os.path.join(path, "adapter_config.json")
+        with open(file) as f:
+            config = json.load(f)
+        config[key] = value
+        with open(file, "w") as f:
+            json.dump(config, f)
+        return path
+
+    return write
+
+
 CASES = {
     "dora": (lambda m, p: write_adapter(m, p, use_dora=True), "DoRA is not supported"),
     "ia3": (_ia3, "peft_type 'IA3' is not supported"),
@@ -63,6 +80,11 @@ CASES = {
                      r"expected \(8, 64\) and \(32, 8\)"),
     "no-weights": (_without_weights, "adapter_model.safetensors is missing$"),
     "pickled": (_pickled, "adapter_model.bin is not read: save with safe_serialization=True"),
+    "layer-replication": (_with_config("layer_replication", [[0, 2], [1, 2]]), "layer_replication is not supported"),
+    "activated-lora": (_with_config("alora_invocation_tokens", [5, 6]),
+                       r"activated LoRA \(alora_invocation_tokens\) is not supported"),
+    "trainable-tokens": (_with_config("trainable_token_indices", [3, 4]),
+                         r"trainable tokens \(trainable_token_indices\) is not supported"),
 }
 
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from contbatch.cpu.load import machine_busy_seconds, process_cpu_seconds
+
 NOISE_THRESHOLD = 0.5  # foreign load (runnable threads not ours), in the units of the load average
 SAMPLE_INTERVAL_S = 1.0
 
@@ -32,23 +34,14 @@ def noisy_rule(threshold: float = NOISE_THRESHOLD) -> str:
 
 
 def _machine_busy_seconds() -> float:
-    """CPU seconds spent busy on the whole machine so far (every CPU, steal included: time a
-    hypervisor gave to someone else is as foreign as another process)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in (fields + ["0"] * 8)[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return machine_busy_seconds() or 0.0
 
 
 def _proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads) and cutime + cstime (its children it has
-    waited for), from /proc; 0 when it is gone. Summed over a process tree sampled in turn,
-    a child that ends between two samples moves its seconds from its own entry to its
-    parent's cutime: the sum telescopes, nothing is lost or counted twice."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """CPU seconds of a process and its waited-for children; 0 when it is gone. Summed over a
+    process tree sampled in turn, a child that ends between two samples moves its seconds from
+    its own entry to its parent's cutime: the sum telescopes, nothing is lost or counted twice."""
+    return process_cpu_seconds(pid) or 0.0
 
 
 def _descendants(pids: Sequence[int]) -> set[int]:

@@ -134,7 +134,8 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
                   packed: list[torch.Tensor | None], codes: list[int], eps: list[float], cos: torch.Tensor,
                   sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
                   decode: tuple, chunks: tuple, block_size: int, scales: list[float], windows: list[int],
-                  head_dim: int) -> torch.Tensor:
+                  head_dim: int, lora_a: list[torch.Tensor | None] | None = None,
+                  lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3) -> torch.Tensor:
     """Consecutive Llama-family decoder layers as one call: per layer, the kernels above and the
     attention kernels in the order the layer's own forward runs them, so the output is the
     per-module path's bit for bit. The lists hold one layer after the other: `weights` its
@@ -143,10 +144,13 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     ROUTED_CODES per linear; `eps` its norms', in the weights' order; `keys`, `values`, `scales`
     and `windows` one per layer. `decode` is (block_table, kv_lens) of the step's leading
     decode rows or two None, `chunks` (block_table, q_start, q_lens, kv_lens) of its prompt
-    chunks or four None."""
+    chunks or four None. `lora_a` and `lora_bt` hold a LoRA hook's stacked factors per linear
+    (None where none applies; lora/hooks.py), `lora` the step's (rows, drop, inverse) groups: the call
+    then adds each adapter's contribution after its linear, by the hook's own ops."""
+    none = [None] * len(biases)
     return torch.ops.contbatch_cpu.decoder_stack(
         hidden, weights, biases, packed, codes, eps, cos, sin, keys, values, slots, *decode, *chunks, block_size,
-        scales, windows, head_dim)
+        scales, windows, head_dim, none if lora_a is None else lora_a, none if lora_bt is None else lora_bt, *lora)
 
 
 # -- sampling --------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ after one pass are not timed again, so that probing a new model costs little of 
 
 `ProbeStore` keeps the timings per machine in `$CONTBATCH_CACHE/linear_probe/<machine>.json`
 (the machine: our library's build key and the CPU model), so later processes route, and so
-round, the same way without probing again. Delete the file to probe again.
+round, the same way without probing again. Delete the file to probe again. Timings taken
+while other processes kept more than FOREIGN_LIMIT CPUs busy (`load.ForeignLoad`) route
+their own process only and are never saved: on 2 cores a busy neighbour stretched our
+2-thread one-row kernel 60-fold and PyTorch's single-threaded GEMV hardly at all, and a file
+written then routed every later start to the slower kernel.
 """
 
 from __future__ import annotations
@@ -38,17 +42,21 @@ MIN_STREAM_BYTES = 16 << 20
 HOT_ROWS = 16  # from this many rows a product is compute-bound (see `time_kernels`)
 HOT_BYTES = 8 << 20  # weight copies those products are timed on
 CLOSE = 1.25  # kernels within this factor of the best get more timed passes (`_best_of`)
+PROBE_VERSION = 2
+FOREIGN_LIMIT = 0.25  # CPUs other processes may keep busy while we probe for the timings to be saved
 
 
 @functools.cache
 def _machine() -> str:
-    """The probe file's name: our kernels' build key (sources, torch, CPU flags) and the CPU model."""
+    """The probe file's name: our kernels' build key (sources, torch, CPU flags), the CPU model
+    and the probe's own version (PROBE_VERSION: files of earlier probes, which saved timings
+    taken under foreign load, are left behind)."""
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line for line in f if line.startswith("model name")), "")
     except OSError:
         model = ""
-    return hashlib.sha256(f"{native.build_key()}|{model}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{native.build_key()}|{model}|{PROBE_VERSION}".encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -71,6 +79,8 @@ class ProbeStore:
     hits: int = 0  # verdicts taken from the file in this process
     probed: int = 0  # products timed in this process
     unsaved: bool = False
+    transient: set[str] = field(default_factory=set)  # timed on a loaded machine: this process only
+    fresh: set[str] = field(default_factory=set)  # timed since the last `save`
 
     def get(self, key: str) -> dict[str, float] | None:
         if self.path is None:
@@ -84,21 +94,33 @@ class ProbeStore:
         self.times[key] = times
         self.probed += 1
         self.unsaved = True
+        self.fresh.add(key)
 
-    def save(self) -> None:
-        """Write this process's timings next to those already in the file."""
+    def save(self, foreign_cores: float | None = None) -> bool:
+        """Write this process's timings next to those already in the file, except those timed
+        since the last save when other processes kept more than FOREIGN_LIMIT CPUs busy
+        meanwhile (`foreign_cores`; None: not known, taken as quiet). False when timings of
+        this window were kept from the file for that reason."""
+        loaded = foreign_cores is not None and foreign_cores > FOREIGN_LIMIT and bool(self.fresh)
+        if loaded:
+            self.transient |= self.fresh
+        self.fresh = set()
         if not self.unsaved or self.path is None:
-            return
+            return not loaded
         self.unsaved = False
+        keep = {key: times for key, times in self.times.items() if key not in self.transient}
+        if not set(keep) - self.from_file:
+            return not loaded
         try:
             with cachefiles.locked(self.path.with_name(f"{self.path.name}.lock"), "saving linear probe timings"):
                 cachefiles.remove_temps(self.path)
                 for old in self.path.parent.glob(f"{self.path.stem}.*.tmp"):  # an older version's temporary files
                     old.unlink(missing_ok=True)
-                merged = {**self._read(), **self.times}
+                merged = {**self._read(), **keep}
                 cachefiles.write_atomic(self.path, json.dumps(merged, indent=0, sort_keys=True))
         except OSError as exc:  # a full or read-only cache: probe again next time
             logger.warning("contbatch: linear probe verdicts not saved (%s)", exc)
+        return not loaded
 
     def _read(self, warn: bool = False) -> dict[str, dict[str, float]]:
         """The file's usable entries: {} for an absent or damaged file. Never raises."""

@@ -17,6 +17,8 @@
 //   codes: the linears' routes, three kernel codes each (small_linear_cpu.cpp's routed_linear)
 //   eps: the norms' epsilons, in the weights' order
 //   key_caches, value_caches, scales, windows: one per layer
+//   lora_a, lora_bt: one per linear, None where no adapter of the step applies to it; with
+//   lora_rows, lora_drop and lora_inverse, the step's LoRA groups (lora/segments.py, lora/hooks.py)
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -55,6 +57,8 @@ struct Layer {
   const at::Tensor& value_cache;
   double scale;
   int64_t window;
+  const std::optional<at::Tensor>* lora_a;   // one per linear: [G, R, in]
+  const std::optional<at::Tensor>* lora_bt;  // one per linear: [G, R, out], the scale folded in
 };
 
 // What every layer of a step shares: its positions, cache slots and attention plan.
@@ -70,11 +74,29 @@ struct Step {
   const std::optional<at::Tensor>& chunk_kv_lens;
   int64_t block_size;
   int64_t head_dim;
+  const std::optional<at::Tensor>& lora_rows;  // [G * m] int64: each adapter group's rows, padded
+  const std::optional<at::Tensor>& lora_drop;  // [G, m, 1] bool: the padding entries
+  const std::optional<at::Tensor>& lora_inverse;  // [T] int64: each row's entry (a padding one for base rows)
 };
+
+// lora/hooks.py's `add_lora`, by the same ops in the same order (so bit-identical): every
+// adapter group's rows at once as two batched products, the padding entries zeroed, the
+// products gathered back into row order and added (a row of no adapter adds a zero entry).
+at::Tensor add_lora(const at::Tensor& x, const at::Tensor& y, int64_t index, const Layer& layer, const Step& step) {
+  const std::optional<at::Tensor>& a = layer.lora_a[index];
+  if (!a.has_value()) return y;
+  const int64_t in = x.size(-1), out = y.size(-1);
+  const at::Tensor x2 = x.reshape({-1, in});
+  at::Tensor y2 = y.reshape({-1, out});
+  const at::Tensor xs = x2.index_select(0, *step.lora_rows).view({a->size(0), -1, in});
+  const at::Tensor h = at::bmm(xs, a->transpose(1, 2)).masked_fill_(*step.lora_drop, 0);
+  y2.add_(at::bmm(h, *layer.lora_bt[index]).view({-1, out}).index_select(0, *step.lora_inverse));
+  return y2.view(y.sizes());
+}
 
 // One linear as cpu/routers/linear.py's `_routed_forward` runs it: the route's kernel for this
 // row count, oneDNN on the prepacked weight for more than one row where there is one.
-at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer) {
+at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
   static const auto small =
       find("contbatch_cpu::small_linear")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
@@ -100,10 +122,16 @@ at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer) {
   return at::linear(x, weight, bias);
 }
 
+// A linear module's call: its kernel, then its LoRA hook's contribution where it has one.
+at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer, const Step& step) {
+  return add_lora(x, linear_only(x, index, layer), index, layer, step);
+}
+
 // Linears of one input (q/k/v; gate/up): in one parallel region where all of them take our
 // few-row kernel at this row count (small_linears: the same outputs bit for bit, one fork and
 // join instead of one per linear), else one by one.
-std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer) {
+std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer,
+                                const Step& step) {
   static const auto many =
       find("contbatch_cpu::small_linears")
           .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList,
@@ -114,7 +142,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64
   for (const int64_t index : indices) native = native && layer.codes[3 * index + regime] == kNative;
   std::vector<at::Tensor> out;
   if (!native) {
-    for (const int64_t index : indices) out.push_back(linear(x, index, layer));
+    for (const int64_t index : indices) out.push_back(linear(x, index, layer, step));
     return out;
   }
   std::vector<at::Tensor> weights;
@@ -123,7 +151,13 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64
     weights.push_back(layer.weights[kWeightOf[index]]);
     biases.push_back(layer.biases[index]);
   }
-  return many.call(x, weights, biases);
+  out = many.call(x, weights, biases);
+  int64_t i = 0;
+  for (const int64_t index : indices) {
+    out[i] = add_lora(x, out[i], index, layer, step);
+    ++i;
+  }
+  return out;
 }
 
 // hidden [1, T, hidden]; cos/sin [1, T, D]; key/value_cache one layer's cache as
@@ -159,7 +193,7 @@ at::Tensor layer_forward(const at::Tensor& hidden, const Layer& layer, const Ste
   at::Tensor mid;
   {  // Attention, as LlamaAttention.forward and attention/paged.py run it.
     const at::Tensor h = rms_norm(hidden, weights[kInNorm], eps[0]);
-    const std::vector<at::Tensor> qkv = linears(h, {0, 1, 2}, layer);
+    const std::vector<at::Tensor> qkv = linears(h, {0, 1, 2}, layer, step);
     at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
     at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
     const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
@@ -189,15 +223,15 @@ at::Tensor layer_forward(const at::Tensor& hidden, const Layer& layer, const Ste
                    *step.chunk_table, *step.chunk_q_start, *step.chunk_q_lens, *step.chunk_kv_lens, no_sinks,
                    step.block_size, layer.scale, layer.window, 0.0, attn);
     }
-    mid = hidden + linear(attn.view({1, tokens, -1}), 3, layer);
+    mid = hidden + linear(attn.view({1, tokens, -1}), 3, layer, step);
   }
   at::Tensor product;
   {  // The MLP, as LlamaMLP.forward runs it: down(silu(gate(x)) * up(x)).
     const at::Tensor h2 = rms_norm(mid, weights[kPostNorm], eps[1]);
-    const std::vector<at::Tensor> gate_up = linears(h2, {4, 5}, layer);
+    const std::vector<at::Tensor> gate_up = linears(h2, {4, 5}, layer, step);
     product = at::silu(gate_up[0]) * gate_up[1];
   }
-  return mid + linear(product, 6, layer);
+  return mid + linear(product, 6, layer, step);
 }
 
 void check_step(const at::Tensor& hidden, const Step& step) {
@@ -211,6 +245,9 @@ void check_step(const at::Tensor& hidden, const Step& step) {
   TORCH_CHECK(step.slots.size(0) == tokens, "decoder_stack: one slot per token");
   TORCH_CHECK(step.decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
               "decoder_stack: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
+  TORCH_CHECK(step.lora_rows.has_value() == step.lora_drop.has_value() &&
+                  step.lora_rows.has_value() == step.lora_inverse.has_value(),
+              "decoder_stack: LoRA rows with their padding and inverse");
 }
 
 // Decoder layers of a step, one after the other: what the model's own loop calls layer by layer,
@@ -223,7 +260,10 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                          const std::optional<at::Tensor>& decode_table, const std::optional<at::Tensor>& decode_kv_lens,
                          const std::optional<at::Tensor>& chunk_table, const std::optional<at::Tensor>& chunk_q_start,
                          const std::optional<at::Tensor>& chunk_q_lens, const std::optional<at::Tensor>& chunk_kv_lens,
-                         int64_t block_size, at::ArrayRef<double> scales, at::IntArrayRef windows, int64_t head_dim) {
+                         int64_t block_size, at::ArrayRef<double> scales, at::IntArrayRef windows, int64_t head_dim,
+                         const c10::List<std::optional<at::Tensor>>& lora_a,
+                         const c10::List<std::optional<at::Tensor>>& lora_bt, const std::optional<at::Tensor>& lora_rows,
+                         const std::optional<at::Tensor>& lora_drop, const std::optional<at::Tensor>& lora_inverse) {
   const int64_t layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
                   static_cast<int64_t>(key_caches.size()) == layers &&
@@ -238,15 +278,23 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                   static_cast<int64_t>(codes.size()) == 3 * kLinears * layers &&
                   static_cast<int64_t>(eps.size()) == norms * layers,
               "decoder_stack: one bias, packed weight and route per linear, one epsilon per norm");
+  TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == kLinears * layers &&
+                  static_cast<int64_t>(lora_bt.size()) == kLinears * layers,
+              "decoder_stack: LoRA factors (or None) for every linear");
   const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
-                  chunk_kv_lens, block_size, head_dim};
+                  chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse};
   check_step(hidden, step);
   const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
+  const std::vector<std::optional<at::Tensor>> shrink = lora_a.vec(), expand = lora_bt.vec();
+  for (size_t i = 0; i < shrink.size(); ++i)
+    TORCH_CHECK(shrink[i].has_value() == expand[i].has_value() && (!shrink[i].has_value() || lora_rows.has_value()),
+                "decoder_stack: LoRA factors in pairs, with the step's LoRA rows");
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     x = layer_forward(x, Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
                                blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
-                               eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i]},
+                               eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i],
+                               shrink.data() + i * kLinears, expand.data() + i * kLinears},
                       step);
   }
   return x;
@@ -260,7 +308,7 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
       "Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slots, "
       "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
       "Tensor? chunk_q_lens, Tensor? chunk_kv_lens, int block_size, float[] scales, int[] windows, "
-      "int head_dim) -> Tensor");
+      "int head_dim, Tensor?[] lora_a, Tensor?[] lora_bt, Tensor? lora_rows, Tensor? lora_drop, Tensor? lora_inverse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {

@@ -52,7 +52,8 @@ class StepInputs:
     decode: tuple  # (block_table, kv_lens) of the leading decode rows, or (None, None)
     chunks: tuple  # (block_table, q_start, q_lens, kv_lens) of the prompt chunks, or four None
     block_size: int
-    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks)
+    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks; has LoRA rows)
+    lora: Any = None  # the step's LoRA groups (lora/segments.py's LoraStep), None: no adapter row
 
 
 def step_inputs(meta: Any) -> StepInputs | None:
@@ -67,10 +68,12 @@ def step_inputs(meta: Any) -> StepInputs | None:
             and meta.write_slots.numel() == step.num_tokens and meta.cache.native_write
             and meta.cache.layout.calls_per_layer == 1 and meta.cache.layout.uniform):
         d, c, rows = step.decode_rows, step.prefill_chunks, step.num_tokens
-        kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None)
+        lora = getattr(meta, "lora", None)
+        kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None,
+                lora is not None)
         inputs = StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
                             (None,) * 4 if c is None else (c.block_table, c.q_start, c.q_lens, c.kv_lens),
-                            meta.cache.block_size, kind)
+                            meta.cache.block_size, kind, lora)
     meta.__dict__["_contbatch_fused"] = inputs
     return inputs
 
@@ -129,6 +132,17 @@ class FusedLayer:
                     packed[i] = holder.fresh(m.weight)
         return packed
 
+    def lora_factors(self, lora: Any) -> list[tuple | None]:
+        """Per linear, its LoRA hook's stacked factors for the step's groups (None where it has
+        none or none applies); only LoRA hooks reach a fused layer (layer.py)."""
+        out = []
+        for m in self.linears:
+            factors = None
+            for hook in m._forward_hooks.values():
+                factors = hook.lora_factors(lora)
+            out.append(factors)
+        return out
+
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
         return one_call([self], self.codes, self.eps, [self.scale], [self.window], hidden, cos, sin, step)
 
@@ -140,11 +154,16 @@ def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scale
     `scales` and `windows` are theirs, laid end to end."""
     regime = step.kind[0]
     caches = [step.cache.kv(f.layer_idx) for f in layers]
+    lora_a = lora_bt = None
+    if step.lora is not None:
+        factors = [f for layer in layers for f in layer.lora_factors(step.lora)]
+        lora_a = [None if f is None else f[0] for f in factors]
+        lora_bt = [None if f is None else f[1] for f in factors]
     return ops.decoder_stack(
         hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
         [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
         [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
-        layers[0].head_dim)
+        layers[0].head_dim, lora_a, lora_bt, (None,) * 3 if step.lora is None else (step.lora.rows, step.lora.drop, step.lora.inverse))
 
 
 @dataclass(eq=False)

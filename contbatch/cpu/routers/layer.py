@@ -15,9 +15,11 @@ MLP, residual), in steps whose rows all take our C++ attention (the torch backen
 prefill kernels); other steps run the layer's own forward. A layer qualifies only where every
 piece of it already runs on our kernels or as aten does (its norm class and its modeling file's
 rotary fused, its linears routed through `routed_linear` or plain `nn.Linear`), and nothing
-else is attached to it (hooks, adapters, a patched forward other than its compile region): the
-start-up line says which layers were left alone and why. Compiled steps trace the layer's own
-forward.
+else is attached to it (hooks, a patched forward other than its compile region): the start-up
+line says which layers were left alone and why. LoRA adapters are the exception: the call asks
+each linear's LoRA hook for its factors and adds the contribution by the hook's own ops
+(a step with adapter rows is a kind of step of its own, checked as the others). Compiled steps
+trace the layer's own forward.
 """
 
 from __future__ import annotations
@@ -80,7 +82,14 @@ class LayerPlan:
 
 
 def _hooked(m: torch.nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None))
+    """Whether something the one call would skip is attached (LoRA hooks are not: it runs them)."""
+    return bool(not _lora_only(m) or m._forward_pre_hooks or getattr(m, "_backward_hooks", None))
+
+
+def _lora_only(m: torch.nn.Module) -> bool:
+    """Whether every forward hook of `m` is a LoRA hook (lora/hooks.py): one whose contribution
+    the one call adds itself, from the factors the hook gives (`lora_factors`)."""
+    return all(hasattr(hook, "lora_factors") for hook in m._forward_hooks.values())
 
 
 def _compile_region(layer: torch.nn.Module) -> bool:
@@ -193,8 +202,9 @@ def _routed_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, *
         meta = kwargs.get("step_metadata")
         step = step_inputs(meta if meta is not None and not isinstance(meta, str) else shared.active_step())
         emb = kwargs.get("position_embeddings")
-        # A linear with a forward hook (a LoRA adapter, lora/hooks.py) must run: its layer takes its own forward.
-        plain = not args and not any(m._forward_hooks for m in fused.linears)
+        # A linear with a forward hook other than a LoRA one (lora/hooks.py, run by the call) must run:
+        # its layer takes its own forward.
+        plain = not args and all(_lora_only(m) for m in fused.linears)
         if step is not None and plain and hidden_states.dtype == fused.dtype and _plain_rotary(emb, fused):
             if stack is not None and fused.position > 0 and stack.done[0] is step:
                 stack.changed()  # this step's stack ran, and this layer was given something else

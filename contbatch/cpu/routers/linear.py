@@ -28,6 +28,7 @@ The change is rounding only (another summation order, float32 accumulation).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import types
 from dataclasses import dataclass
@@ -37,8 +38,11 @@ import torch
 
 from .. import linear_kernels, native, ops, probe
 from ..knobs import LINEAR_KERNELS as KERNELS
+from ..load import ForeignLoad
 from ... import context
 from .base import Router
+
+logger = logging.getLogger("contbatch")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROBE_ROWS = (1, 4, 64)  # the three regimes, each with its own verdict per weight shape
@@ -139,6 +143,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
                           f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
+    watch = ForeignLoad()
     store = probe.store
     hits, probed = store.hits, store.probed
     chosen: dict[Shape, list[str]] = {}
@@ -167,8 +172,17 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         counts = {k: sum(v[regime] == k for v in chosen.values()) for k in KERNELS[1:]}
         parts.append(f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
                      + f" of {len(shapes)} shapes (aten/best time {min(gains[regime]):.2f}-{max(gains[regime]):.2f}x)")
-    store.save()
+    # Ranks of one tensor-parallel job probe side by side: their load is the job's own.
+    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    foreign = None if ranks and torch.distributed.get_world_size() > 1 else watch.cores()
+    quiet = store.save(foreign)
     how = f"probed in {time.perf_counter() - start:.2f} s"
+    if not quiet:
+        how += (f" while other processes kept {foreign:.1f} CPUs busy (timings not saved: the next start "
+                f"probes again)")
+        logger.warning("contbatch: linear kernels probed while other processes kept %.1f CPUs busy: the routes may "
+                       "be slower than on a quiet machine; the timings are not saved, the next start probes again",
+                       foreign)
     if store.hits > hits:
         how = f"{how}, other verdicts" if store.probed > probed else "probe verdicts"
         how += f" reused from {store.path} (delete it to probe again)"
