@@ -77,6 +77,19 @@ def test_llama_server_command_needs_its_gguf_and_sizes_context_per_slot(work):
         servers.command("llamacpp", "smollm2-135m", "bfloat16", {}, 8124)
 
 
+def test_contbatch_quant_knob_serves_the_same_gguf_or_quantizes_at_load(work):
+    """`contbatch:quant=Q8_0` serves the GGUF file llama.cpp gets for that type; `quant=int8`
+    quantizes the safetensors folder at load; an unknown type is refused."""
+    argv, _ = servers.command("contbatch", "smollm2-135m", "float32", {"quant": "q8_0"}, 8125)
+    assert argv[argv.index("--model") + 1] == str(paths.gguf_path("smollm2-135m", "Q8_0"))
+    assert "--quantization" not in argv
+    argv, _ = servers.command("contbatch", "smollm2-135m", "float32", {"quant": "int8"}, 8125)
+    assert argv[argv.index("--model") + 1] == str(paths.model_dir("smollm2-135m"))
+    assert argv[argv.index("--quantization") + 1] == "int8"
+    with pytest.raises(ValueError, match="unknown quant"):
+        servers.command("contbatch", "smollm2-135m", "float32", {"quant": "Q3_K"}, 8125)
+
+
 def test_sweeps_are_small_and_stage_wise():
     assert knobs.vllm_stages("none") == [] and knobs.llama_stages("none", 32) == []
     full = knobs.vllm_stages("full")

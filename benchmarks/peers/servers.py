@@ -5,7 +5,8 @@ venv) and `llama-server` (the native build), each on its own loopback port, same
 answers (or raises `PeerError` with the tail of its log); `Server.stop()` ends it (SIGTERM,
 then SIGKILL). Logs go to `<work dir>/logs/`. A spec on the command line reads
 `SYSTEM[:knob=v,...]`, e.g. `llamacpp:np=8,t=2,quant=F32` (knobs: `knobs.py`; contbatch takes
-`mbt` and `block`).
+`mbt`, `block` and `quant`: a GGUF type (Q8_0, Q4_0, ...) serves the peers' GGUF file of that
+type at its own quantization, as llama.cpp does; int8 / int4 quantize the safetensors at load).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from peers import knobs, paths
 from peers.vllm_offline import PeerError
 
 SYSTEMS = ("contbatch", "vllm", "llamacpp")
-CONTBATCH_KNOBS = ("mbt", "block")
+CONTBATCH_KNOBS = ("mbt", "block", "quant")
+LOAD_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g128")  # `contbatch serve --quantization`
 READY_TIMEOUT_S = 900.0
 
 
@@ -64,6 +66,13 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def contbatch_argv(model: str, dtype: str, setting: dict, port: int, name: str) -> list[str]:
     knobs.check(setting, CONTBATCH_KNOBS, "contbatch")
+    quant = str(setting.get("quant") or "")
+    if quant.lower() in LOAD_QUANTIZATIONS:
+        extra = ["--quantization", quant.lower()]
+    elif quant:
+        model, extra = str(paths.gguf_path(name, quant)), []  # the same file llama.cpp serves
+    else:
+        extra = []
     exe = shutil.which("contbatch", path=str(Path(sys.executable).parent)) or "contbatch"
     argv = [exe, "serve", "--model", model, "--dtype", dtype, "--port", str(port), "--served-model-name", name,
             "--uvicorn-log-level", "warning"]
@@ -71,7 +80,7 @@ def contbatch_argv(model: str, dtype: str, setting: dict, port: int, name: str) 
         argv += ["--max-batch-tokens", str(setting["mbt"])]
     if setting.get("block"):
         argv += ["--block-size", str(setting["block"])]
-    return argv
+    return argv + extra
 
 
 def command(system: str, model_name: str, dtype: str, setting: dict, port: int) -> tuple[list[str], dict]:
