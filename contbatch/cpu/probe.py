@@ -11,9 +11,9 @@ after one pass are not timed again, so that probing a new model costs little of 
 (the machine: our library's build key and the CPU model), so later processes route, and so
 round, the same way without probing again. Delete the file to probe again. Timings taken
 while other processes kept more than FOREIGN_LIMIT CPUs busy (`load.ForeignLoad`) route
-their own process only and are never saved: on 2 cores a busy neighbour stretched our
-2-thread one-row kernel 60-fold and PyTorch's single-threaded GEMV hardly at all, and a file
-written then routed every later start to the slower kernel.
+their own process only and are never saved: a busy neighbour stretches a multithreaded
+kernel (its team waits for the thread it preempted) far more than a single-threaded one, and a
+file written then would route every later start to the slower kernel.
 """
 
 from __future__ import annotations

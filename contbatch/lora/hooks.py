@@ -1,16 +1,16 @@
 """The LoRA contribution, added to a linear layer's output by a forward hook.
 
 For each adapter slot in the step (`segments.py`): `out[rows] += (x[rows] @ A^T) @ (scale * B)^T`;
-rows of no adapter add exact zeros. The products come back to their rows by a gather (a
-scatter-add sorts its index on every call: it cost a third of the adapters' time). The groups run as
-two batched products padded to the largest group (the registry's stacked factors, ranks
-zero-padded to the largest): the count of ops per layer stays the same whatever the number of
-adapters in the batch. A forward hook runs after whatever forward the layer has, so it
-composes with the CPU linear router (`cpu/routers/linear.py` patches `forward`; hooks live
-apart from it) and with any kernel the router chose. The fused CPU decoder layers call their
-linears' kernels themselves: they ask each hook for its factors (`add_lora.lora_factors`) and
-run the same ops in their one call (`cpu/routers/layer.py`, checked bit-identical against the
-layer's own forward, which goes through here).
+rows of no adapter add exact zeros. The products come back to their rows by a gather (a CPU
+scatter-add sorts its index on every call). The groups run as two batched products padded to
+the largest group (the registry's stacked factors, ranks zero-padded to the largest): the
+count of ops per layer stays the same whatever the number of adapters in the batch. A forward
+hook runs after whatever forward the layer has, so it composes with the CPU linear router
+(`cpu/routers/linear.py` patches `forward`; hooks live apart from it) and with any kernel the
+router chose. The fused CPU decoder layers call their linears' kernels themselves: they ask
+each hook for its factors (`add_lora.lora_factors`) and run the same ops in their one call
+(`cpu/routers/layer.py`, checked bit-identical against the layer's own forward, which goes
+through here).
 
 Outside an engine step (the user's own forward on the same model), or in a step without
 adapter rows, the hook returns the base output unchanged. Hooks are installed on the layers

@@ -155,15 +155,17 @@ def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scale
     regime = step.kind[0]
     caches = [step.cache.kv(f.layer_idx) for f in layers]
     lora_a = lora_bt = None
+    groups = (None,) * 3
     if step.lora is not None:
         factors = [f for layer in layers for f in layer.lora_factors(step.lora)]
         lora_a = [None if f is None else f[0] for f in factors]
         lora_bt = [None if f is None else f[1] for f in factors]
+        groups = (step.lora.rows, step.lora.drop, step.lora.inverse)
     return ops.decoder_stack(
         hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
         [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
         [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
-        layers[0].head_dim, lora_a, lora_bt, (None,) * 3 if step.lora is None else (step.lora.rows, step.lora.drop, step.lora.inverse))
+        layers[0].head_dim, lora_a, lora_bt, groups)
 
 
 @dataclass(eq=False)
