@@ -23,6 +23,13 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 # On the CPU, big steps lose: an 8192-token forward is slower than four 2048-token ones
 # (activations far past the caches), end to end too (docs/cpu.md). A GPU wants the larger steps.
 DEFAULT_CPU_MAX_BATCH_TOKENS = 2048
+
+
+def default_max_batch_tokens(device_type: str) -> int:
+    """A step's token budget where `max_batch_tokens` is unset, for a model on that device type."""
+    return DEFAULT_CPU_MAX_BATCH_TOKENS if device_type == "cpu" else DEFAULT_MAX_BATCH_TOKENS
+
+
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024
 DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of a GPU's free memory, for the KV cache
 DEFAULT_CPU_MAX_MEMORY_PERCENT = 0.2  # of the available RAM, on the CPU (shared with weights and activations)

@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from contbatch.setup.quantize import METHODS as QUANTIZE_AT_LOAD  # `contbatch serve --quantization`
 from peers import knobs, paths
 from peers.vllm_offline import PeerError
 
 SYSTEMS = ("contbatch", "vllm", "llamacpp")
 CONTBATCH_KNOBS = ("mbt", "block", "quant")
-LOAD_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g128")  # `contbatch serve --quantization`
 READY_TIMEOUT_S = 900.0
 
 
@@ -67,7 +67,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def contbatch_argv(model: str, dtype: str, setting: dict, port: int, name: str) -> list[str]:
     knobs.check(setting, CONTBATCH_KNOBS, "contbatch")
     quant = str(setting.get("quant") or "")
-    if quant.lower() in LOAD_QUANTIZATIONS:
+    if quant.lower() in QUANTIZE_AT_LOAD:
         extra = ["--quantization", quant.lower()]
     elif quant:
         model, extra = str(paths.gguf_path(name, quant)), []  # the same file llama.cpp serves

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .metadata import layer_chunk
+
 if TYPE_CHECKING:
     from ..cache.paged_cache import PagedAttentionCache
     from .metadata import StepMetadata
@@ -67,7 +69,7 @@ class KernelBackend:
         k_cache, v_cache = meta.cache.kv(layer)
         kernel = self.decode if meta.decode_only and self.decode is not None else self.varlen
         extra = {} if sinks is None else {"sinks": sinks}
-        chunk = meta.cache.layout.layer(layer).chunk
+        chunk = layer_chunk(meta, layer)
         if chunk is not None:
             extra["chunk"] = chunk
         return kernel(q, k_cache, v_cache, meta, scaling, sliding_window, softcap, **extra).unsqueeze(0)

@@ -17,12 +17,11 @@ from ..distributed.group import model_tp_size, shard_layout
 from ..runtime.compile import resolve_compile
 from .quantize import summary_of
 from ..config import (
-    DEFAULT_CPU_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_SAFETY_MARGINS,
     FALLBACK_MAX_REQUESTS_PER_BATCH,
     ContinuousBatchingConfig,
     ResolvedConfig,
+    default_max_batch_tokens,
 )
 
 FALLBACK_CONTEXT = 2048
@@ -95,8 +94,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
     per_request = hinted_request_tokens(cfg)
     per_request = min(per_request, max_context) if per_request else max_context
 
-    default_tokens = DEFAULT_CPU_MAX_BATCH_TOKENS if device.type == "cpu" else DEFAULT_MAX_BATCH_TOKENS
-    max_batch_tokens = cfg.max_batch_tokens or default_tokens
+    max_batch_tokens = cfg.max_batch_tokens or default_max_batch_tokens(device.type)
     max_requests = min(cfg.max_requests_per_batch or FALLBACK_MAX_REQUESTS_PER_BATCH, max_batch_tokens)
 
     if cfg.num_blocks is not None:

@@ -43,7 +43,7 @@ from ..attention.recurrent import forward_source, is_recurrent_mixer, recurrent_
 from .resumable import resume_gap
 from ..cache.paged_cache import KVLayout
 from ..distributed.group import shard_layout
-from ..config import DEFAULT_CPU_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS, ContinuousBatchingConfig
+from ..config import ContinuousBatchingConfig, default_max_batch_tokens
 from .layer_checks import call_shape_mismatch, chunk_mismatch, temperature_tuning_mismatch
 
 PROBE_ATTENTION = "contbatch_probe"
@@ -165,7 +165,7 @@ def _check_layer_kinds(model: torch.nn.Module, text, layout: KVLayout, config: C
     """Chunked local attention (layer_checks.py): the config's chunk is the one transformers
     masks with, any query temperature is exact, and the backend can chunk."""
     reason = chunk_mismatch(text, _layer_types(text), layout) or temperature_tuning_mismatch(
-        text, layout, config.max_batch_tokens or _default_step_tokens(model))
+        text, layout, config.max_batch_tokens or default_max_batch_tokens(next(model.parameters()).device.type))
     if reason:
         raise UnsupportedModel(reason)
     if any(s.chunk for s in layout.layers) and _backend(model, config) == "flash":
@@ -174,11 +174,6 @@ def _check_layer_kinds(model: torch.nn.Module, text, layout: KVLayout, config: C
     if layout.head_dim > FLASH_MAX_HEAD_DIM and _backend(model, config) == "flash":
         raise UnsupportedModel(f"a layer's K/V are {layout.head_dim} wide, more than flash-attn's largest head dim "
                                f"({FLASH_MAX_HEAD_DIM}; use attention_backend='triton' or 'torch')")
-
-
-def _default_step_tokens(model: torch.nn.Module) -> int:
-    cpu = next(model.parameters()).device.type == "cpu"
-    return DEFAULT_CPU_MAX_BATCH_TOKENS if cpu else DEFAULT_MAX_BATCH_TOKENS
 
 
 def _backend(model: torch.nn.Module, config: ContinuousBatchingConfig) -> str:
