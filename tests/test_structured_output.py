@@ -438,8 +438,9 @@ def chat(content: str) -> list[dict]:
 
 def test_openai_client_parse_and_response_format(server, tok):
     client = server.client()
+    # Seeded: an unseeded sample of the random model sometimes left a string open past the token limit.
     parsed = client.chat.completions.parse(model=MODEL, messages=chat("An order, please."), response_format=Order,
-                                           temperature=1.0, max_completion_tokens=300)
+                                           temperature=1.0, max_completion_tokens=300, seed=0)
     assert parsed.choices[0].finish_reason == "stop"
     assert isinstance(parsed.choices[0].message.parsed, Order)
 
