@@ -74,6 +74,26 @@ def test_bfloat16_fused_layers_equal_the_layers_own_forward():
     assert [r.generated_tokens for r in fused.values()] == [r.generated_tokens for r in per_module.values()]
 
 
+@pytest.mark.parametrize("arch, method", [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "int4-g128")])
+def test_quantized_linears_run_inside_the_fused_layers(arch, method):
+    """Packed linears (int8, int4 in groups of 32 and 128; Qwen2's biases, Qwen3's q/k norms) stay
+    inside the one C++ call: every layer is planned fused, every kind of step passes the
+    bit-for-bit check against the layers' own forward, and the tokens equal the per-module run's."""
+    from contbatch.cpu.quant.linear import QuantLinear
+    from contbatch.setup.quantize import quantize_model
+
+    model = make_tiny_model(arch)
+    quantize_model(model, method)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 7 * model.config.num_hidden_layers
+    prompts = random_prompts(6, 1, 50, seed=21)
+    manager, fused, checked, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=24)
+    assert len(manager.resolved_config.cpu.layer.layers) == model.config.num_hidden_layers
+    assert enabled and {(0, True, False, False), (1, True, False, False), (2, True, True, False)} <= checked, checked
+    _, per_module, _, _ = _run(model, prompts, 8, block_size=4, max_batch_tokens=24,
+                               cpu_kernel_overrides={"layer": "off"})
+    assert fused == per_module
+
+
 def test_a_difference_sends_every_layer_back_to_its_own_forward(monkeypatch, caplog):
     """The run-time check is real: a fused layer that computed something else is caught on its
     first call, said loudly, and the manager's layers run their own forward from then on, with

@@ -37,7 +37,7 @@ def reference_values(m: QuantLinear) -> torch.Tensor:
 @pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 256), (200, 128)])
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 37, 70])
 def test_kernel_matches_linear_on_dequantized_weights(method, shape, rows):
     out, inp = shape
     torch.manual_seed(rows * 1000 + out)
@@ -57,6 +57,28 @@ def test_kernel_matches_linear_on_dequantized_weights(method, shape, rows):
     assert got_bf16.dtype == torch.bfloat16
     expected_bf16 = F.linear(x.bfloat16().double(), ref_w.double(), bias.double())
     assert torch.allclose(got_bf16.double(), expected_bf16, rtol=1e-2, atol=1e-2 * expected_bf16.abs().max().item())
+
+
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+@pytest.mark.parametrize("rows", [1, 4, 7, 20])
+def test_linears_of_one_input_in_one_call_equal_each_alone(rows):
+    """`quant_linears` (q/k/v or gate/up of a fused layer in one parallel region): every output
+    equals `quant_linear`'s on its own weight bit for bit, for mixed formats, with and without bias."""
+    from contbatch.cpu import ops
+
+    torch.manual_seed(rows)
+    layers = [QuantLinear(quantize(torch.randn(out, 256), format_for(method, 256)), bias)
+              for out, method, bias in ((96, "int8", torch.randn(96)), (40, "int4", None),
+                                        (200, "int4-g128", torch.randn(200)))]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, rows, 256).to(dtype)
+        got = ops.quant_linears(x, [(m.codes, m.scales, m.mins, m.bias, m.fmt.bits, m.fmt.group) for m in layers])
+        for m, y in zip(layers, got):
+            assert y.shape == (1, rows, m.out_features) and y.dtype == dtype
+            assert torch.equal(y, m(x))
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        ops.quant_linears(torch.randn(65, 256), [(m.codes, m.scales, m.mins, m.bias, m.fmt.bits, m.fmt.group)
+                                                 for m in layers])
 
 
 def test_quantize_round_to_nearest_error_bounds():
@@ -161,7 +183,7 @@ def test_resolved_config_and_refusals(tmp_path):
 def test_speculative_and_shared_prefixes_on_a_quantized_model():
     """n-gram speculation (verification runs of a few rows) and prompts sharing long prefixes
     (prefix caching) on an int8 model: tokens equal the dequantized reference's, except at
-    near-ties; the fused decoder layers leave the quantized layers to their own forward."""
+    near-ties; the decoder layers of packed linears still run as one call."""
     from contbatch import continuous_batching
 
     model = make_tiny_model("llama")
@@ -176,4 +198,4 @@ def test_speculative_and_shared_prefixes_on_a_quantized_model():
     gc = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None)
     with continuous_batching(model, gc, ContinuousBatchingConfig(block_size=4)) as manager:
         cpu = manager.resolved_config.cpu
-        assert cpu is not None and (cpu.layer is None or "not a plain nn.Linear" in cpu.layer.summary)
+        assert cpu is not None and len(cpu.layer.layers) == model.config.num_hidden_layers, cpu.layer.summary

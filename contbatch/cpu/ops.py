@@ -17,6 +17,7 @@ SMALL_LINEAR_MAX_ROWS = 7  # rows `small_linear` takes; more go to another kerne
 # Kernel codes of `routed_linear` (csrc/small_linear_cpu.cpp), which picks a route's kernel by
 # the row count when it runs, so a compiled step needs one graph for every step size.
 ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2}
+QUANT_CODE = 3  # decoder_stack's route code of a packed linear (cpu/quant/linear.py's QuantLinear)
 
 _argmax_kernel: bool | None = None  # resolved on the first CPU call
 _fakes_registered: list[bool] = []
@@ -97,10 +98,18 @@ def register_linear_fakes() -> None:
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
     """`F.linear` on a packed weight (cpu/quant/format.py's layout), float32 accumulation, for
-    float32 or bfloat16 x [..., in]: 1 to SMALL_LINEAR_MAX_ROWS rows dequantize in registers,
-    more a tile at a time into `at::linear`. Equals `F.linear(x, quant_dequantize(...), bias)` up
-    to the summation order."""
+    float32 or bfloat16 x [..., in]: up to 64 rows dequantize in registers (one or two rows of
+    int8 apply each group's scale once, to the codes' dot product), more a tile at a time into
+    `at::linear`. Equals `F.linear(x, quant_dequantize(...), bias)` up to float rounding."""
     return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
+
+
+def quant_linears(x: torch.Tensor, linears: list[tuple]) -> list[torch.Tensor]:
+    """`quant_linear` of several packed weights of one input size on x (1 to 64 rows: the
+    register kernels' range) in one parallel region; `linears` holds (codes, scales, mins,
+    bias, bits, group) each. Every output equals `quant_linear`'s bit for bit."""
+    codes, scales, mins, biases, bits, groups = (list(t) for t in zip(*linears))
+    return torch.ops.contbatch_cpu.quant_linears(x, codes, scales, mins, biases, bits, groups)
 
 
 def quant_dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
@@ -135,7 +144,8 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
                   sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
                   decode: tuple, chunks: tuple, block_size: int, scales: list[float], windows: list[int],
                   head_dim: int, lora_a: list[torch.Tensor | None] | None = None,
-                  lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3) -> torch.Tensor:
+                  lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3,
+                  quant: list[tuple | None] | None = None) -> torch.Tensor:
     """Consecutive Llama-family decoder layers as one call: per layer, the kernels above and the
     attention kernels in the order the layer's own forward runs them, so the output is the
     per-module path's bit for bit. The lists hold one layer after the other: `weights` its
@@ -146,11 +156,16 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     decode rows or two None, `chunks` (block_table, q_start, q_lens, kv_lens) of its prompt
     chunks or four None. `lora_a` and `lora_bt` hold a LoRA hook's stacked factors per linear
     (None where none applies; lora/hooks.py), `lora` the step's (rows, drop, inverse) groups: the call
-    then adds each adapter's contribution after its linear, by the hook's own ops."""
+    then adds each adapter's contribution after its linear, by the hook's own ops. `quant` holds,
+    per linear, a packed weight's (scales, mins, bits, group) or None: such a linear has its codes
+    in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as QuantLinear does."""
     none = [None] * len(biases)
+    quant = none if quant is None else quant
     return torch.ops.contbatch_cpu.decoder_stack(
         hidden, weights, biases, packed, codes, eps, cos, sin, keys, values, slots, *decode, *chunks, block_size,
-        scales, windows, head_dim, none if lora_a is None else lora_a, none if lora_bt is None else lora_bt, *lora)
+        scales, windows, head_dim, none if lora_a is None else lora_a, none if lora_bt is None else lora_bt, *lora,
+        [None if q is None else q[0] for q in quant], [None if q is None else q[1] for q in quant],
+        [v for q in quant for v in ((0, 0) if q is None else q[2:])])
 
 
 # -- sampling --------------------------------------------------------------------------------

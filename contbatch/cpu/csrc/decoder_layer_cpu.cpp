@@ -19,6 +19,9 @@
 //   key_caches, value_caches, scales, windows: one per layer
 //   lora_a, lora_bt: one per linear, None where no adapter of the step applies to it; with
 //   lora_rows, lora_drop and lora_inverse, the step's LoRA groups (lora/segments.py, lora/hooks.py)
+//   quant_scales, quant_mins, quant_formats: for a packed linear (cpu/quant/linear.py's QuantLinear,
+//   route code kQuant, its codes in `weights`), its scales, mins (int4) and (bits, group); None,
+//   None and (0, 0) for a float one
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,7 +36,7 @@
 namespace {
 
 constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
-enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2 };
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3 };
 enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
 constexpr int64_t kLinears = 7;
 constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
@@ -59,6 +62,9 @@ struct Layer {
   int64_t window;
   const std::optional<at::Tensor>* lora_a;   // one per linear: [G, R, in]
   const std::optional<at::Tensor>* lora_bt;  // one per linear: [G, R, out], the scale folded in
+  const std::optional<at::Tensor>* quant_scales;  // one per linear: a packed weight's scales
+  const std::optional<at::Tensor>* quant_mins;    // one per linear: its mins (int4)
+  at::ArrayRef<int64_t> quant_formats;            // two per linear: bits, group
 };
 
 // What every layer of a step shares: its positions, cache slots and attention plan.
@@ -104,11 +110,18 @@ at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
       find("mkldnn::_linear_pointwise")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
                             c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
+  static const auto quant =
+      find("contbatch_cpu::quant_linear")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, int64_t, int64_t)>();
   const at::Tensor& weight = layer.weights[kWeightOf[index]];
   const std::optional<at::Tensor>& bias = layer.biases[index];
   const int64_t rows = x.numel() / x.size(-1);
   const int64_t kernel = layer.codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
   if (kernel == kNative) return small.call(x, weight, bias);
+  if (kernel == kQuant)  // QuantLinear.forward's call
+    return quant.call(x, weight, *layer.quant_scales[index], layer.quant_mins[index], bias,
+                      layer.quant_formats[2 * index], layer.quant_formats[2 * index + 1]);
   if (kernel == kOneDnn) {
     const std::optional<at::Tensor>& blocked = layer.packed[index];
     const at::Tensor& w = (rows > 1 && blocked.has_value()) ? *blocked : weight;
@@ -128,30 +141,47 @@ at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer, const 
 }
 
 // Linears of one input (q/k/v; gate/up): in one parallel region where all of them take our
-// few-row kernel at this row count (small_linears: the same outputs bit for bit, one fork and
-// join instead of one per linear), else one by one.
+// few-row float kernel at this row count, or all are packed and the rows few (small_linears,
+// quant_linears: the same outputs bit for bit, one fork and join instead of one per linear),
+// else one by one.
 std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer,
                                 const Step& step) {
   static const auto many =
       find("contbatch_cpu::small_linears")
           .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList,
                                          const c10::List<std::optional<at::Tensor>>&)>();
+  static const auto packed =
+      find("contbatch_cpu::quant_linears")
+          .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<std::optional<at::Tensor>>&,
+                                         const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef,
+                                         at::IntArrayRef)>();
   const int64_t rows = x.numel() / x.size(-1);
   const int64_t regime = rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2;
-  bool native = true;
-  for (const int64_t index : indices) native = native && layer.codes[3 * index + regime] == kNative;
+  bool native = true, quant = regime < 2;
+  for (const int64_t index : indices) {
+    native = native && layer.codes[3 * index + regime] == kNative;
+    quant = quant && layer.codes[3 * index + regime] == kQuant;
+  }
   std::vector<at::Tensor> out;
-  if (!native) {
+  if (!native && !quant) {
     for (const int64_t index : indices) out.push_back(linear(x, index, layer, step));
     return out;
   }
-  std::vector<at::Tensor> weights;
-  c10::List<std::optional<at::Tensor>> biases;
+  std::vector<at::Tensor> weights, scales;
+  c10::List<std::optional<at::Tensor>> biases, mins;
+  std::vector<int64_t> bits, groups;
   for (const int64_t index : indices) {
     weights.push_back(layer.weights[kWeightOf[index]]);
     biases.push_back(layer.biases[index]);
+    if (quant) {
+      scales.push_back(*layer.quant_scales[index]);
+      mins.push_back(layer.quant_mins[index]);
+      bits.push_back(layer.quant_formats[2 * index]);
+      groups.push_back(layer.quant_formats[2 * index + 1]);
+    }
   }
-  out = many.call(x, weights, biases);
+  out = quant ? packed.call(x, weights, scales, mins, biases, bits, groups) : many.call(x, weights, biases);
   int64_t i = 0;
   for (const int64_t index : indices) {
     out[i] = add_lora(x, out[i], index, layer, step);
@@ -263,7 +293,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                          int64_t block_size, at::ArrayRef<double> scales, at::IntArrayRef windows, int64_t head_dim,
                          const c10::List<std::optional<at::Tensor>>& lora_a,
                          const c10::List<std::optional<at::Tensor>>& lora_bt, const std::optional<at::Tensor>& lora_rows,
-                         const std::optional<at::Tensor>& lora_drop, const std::optional<at::Tensor>& lora_inverse) {
+                         const std::optional<at::Tensor>& lora_drop, const std::optional<at::Tensor>& lora_inverse,
+                         const c10::List<std::optional<at::Tensor>>& quant_scales,
+                         const c10::List<std::optional<at::Tensor>>& quant_mins, at::IntArrayRef quant_formats) {
   const int64_t layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
                   static_cast<int64_t>(key_caches.size()) == layers &&
@@ -281,11 +313,27 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
   TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == kLinears * layers &&
                   static_cast<int64_t>(lora_bt.size()) == kLinears * layers,
               "decoder_stack: LoRA factors (or None) for every linear");
+  TORCH_CHECK(static_cast<int64_t>(quant_scales.size()) == kLinears * layers &&
+                  static_cast<int64_t>(quant_mins.size()) == kLinears * layers &&
+                  static_cast<int64_t>(quant_formats.size()) == 2 * kLinears * layers,
+              "decoder_stack: scales, mins (or None) and (bits, group) for every linear");
   const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
                   chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse};
   check_step(hidden, step);
   const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
   const std::vector<std::optional<at::Tensor>> shrink = lora_a.vec(), expand = lora_bt.vec();
+  const std::vector<std::optional<at::Tensor>> qscales = quant_scales.vec(), qmins = quant_mins.vec();
+  for (int64_t i = 0; i < kLinears * layers; ++i) {
+    const int64_t layer = i / kLinears, linear = i % kLinears;
+    bool any = false, all = true;
+    for (int64_t r = 0; r < 3; ++r) {
+      const bool q = codes[layer * 3 * kLinears + 3 * linear + r] == kQuant;
+      any = any || q;
+      all = all && q;
+    }
+    TORCH_CHECK(any == all && all == qscales[i].has_value(),
+                "decoder_stack: a packed linear takes the quantized kernel at every row count, with its scales");
+  }
   for (size_t i = 0; i < shrink.size(); ++i)
     TORCH_CHECK(shrink[i].has_value() == expand[i].has_value() && (!shrink[i].has_value() || lora_rows.has_value()),
                 "decoder_stack: LoRA factors in pairs, with the step's LoRA rows");
@@ -294,7 +342,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
     x = layer_forward(x, Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
                                blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
                                eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i],
-                               shrink.data() + i * kLinears, expand.data() + i * kLinears},
+                               shrink.data() + i * kLinears, expand.data() + i * kLinears,
+                               qscales.data() + i * kLinears, qmins.data() + i * kLinears,
+                               quant_formats.slice(i * 2 * kLinears, 2 * kLinears)},
                       step);
   }
   return x;
@@ -308,7 +358,8 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
       "Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slots, "
       "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
       "Tensor? chunk_q_lens, Tensor? chunk_kv_lens, int block_size, float[] scales, int[] windows, "
-      "int head_dim, Tensor?[] lora_a, Tensor?[] lora_bt, Tensor? lora_rows, Tensor? lora_drop, Tensor? lora_inverse) -> Tensor");
+      "int head_dim, Tensor?[] lora_a, Tensor?[] lora_bt, Tensor? lora_rows, Tensor? lora_drop, Tensor? lora_inverse, "
+      "Tensor?[] quant_scales, Tensor?[] quant_mins, int[] quant_formats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {

@@ -2,8 +2,8 @@
 
 It replaces an `nn.Linear` in the model (setup/quantize.py does the swap) and computes
 `F.linear(x, W, b)` with W the packed weight's dequantized float32 values, float32
-accumulation. On a CPU with our C++ library every call runs `ops.quant_linear`: one to seven
-rows (decoding) dequantize in registers, reading only the packed bytes; more rows (prompts)
+accumulation. On a CPU with our C++ library every call runs `ops.quant_linear`: up to 64 rows
+(decoding) dequantize in registers, reading only the packed bytes; more rows (prompts)
 dequantize a tile of output features at a time into a float32 GEMM. Why ours rather than
 PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`: measured in
 benchmarks/quantized.py (docs/cpu.md has the figures): with float32 activations the aten ops
@@ -11,10 +11,10 @@ were several times slower than a float32 linear, and with bfloat16 activations t
 is no longer the float32 model's. Without the library (no compiler) the weight is dequantized
 in PyTorch at each call: correct, slower, and said at start-up.
 
-It is not an `nn.Linear`: the float linear router, adapters and the fused decoder layers
-(which take plain `nn.Linear` only, routers/layer.py) leave it alone; the fused layers say
-so at start-up and run their own forward. It has no `weight` parameter: code that would copy
-float weights into it (`update_weights`) refuses by name.
+It is not an `nn.Linear`: the float linear router and adapters leave it alone. The fused
+decoder layers (routers/layer.py) take it: their C++ call runs the same `quant_linear` op
+on its buffers, so a layer of packed linears is still one call. It has no `weight` parameter:
+code that would copy float weights into it (`update_weights`) refuses by name.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..quant.linear import QuantLinear
 
 ONEDNN = ops.ROUTED_CODES["onednn"]
 
@@ -99,7 +100,8 @@ class FusedLayer:
     def variant(self) -> tuple:
         """What makes layers run different code: layers alike here are checked once for all."""
         return (self.window, self.head_dim, self.dtype, tuple(self.codes), len(self.norms),
-                tuple(m.bias is None for m in self.linears), self.scale, tuple(self.eps))
+                tuple(m.bias is None for m in self.linears), self.scale, tuple(self.eps),
+                tuple((m.fmt.bits, m.fmt.group) if isinstance(m, QuantLinear) else None for m in self.linears))
 
     def own(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         """The layer's forward without us: what compiled steps trace and other steps run."""
@@ -108,15 +110,28 @@ class FusedLayer:
         return type(layer).forward(layer, *args, **kwargs)
 
     def __post_init__(self) -> None:
-        # Parameters are read from the modules' own dicts at every call (cheaper than
-        # nn.Module.__getattr__), so a replaced parameter is never stale.
-        self._weights = [m._parameters for m in (self.norms[0], *self.linears[:4], self.norms[1], *self.linears[4:],
-                                                   *self.norms[2:])]
-        self._biases = [m._parameters for m in self.linears]
+        # Parameters (a packed linear's buffers) are read from the modules' own dicts at every
+        # call (cheaper than nn.Module.__getattr__), so a replaced tensor is never stale.
+        def tensors(m: torch.nn.Module) -> dict:
+            return m._buffers if isinstance(m, QuantLinear) else m._parameters
+
+        self._weights = [(tensors(m), "codes" if isinstance(m, QuantLinear) else "weight")
+                         for m in (self.norms[0], *self.linears[:4], self.norms[1], *self.linears[4:],
+                                   *self.norms[2:])]
+        self._biases = [tensors(m) for m in self.linears]
+        self._quant = [m for m in self.linears if isinstance(m, QuantLinear)]
+        self._formats = [(m._buffers, (m.fmt.bits, m.fmt.group) if isinstance(m, QuantLinear) else None)
+                         for m in self.linears]
         self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in
 
     def weights(self) -> list[torch.Tensor]:
-        return [d["weight"] for d in self._weights]
+        return [d[key] for d, key in self._weights]
+
+    def quant(self) -> list[tuple | None]:
+        """Per linear, a packed one's (scales, mins, bits, group) (ops.decoder_stack's `quant`)."""
+        if not self._quant:
+            return [None] * len(self.linears)
+        return [(d["scales"], d["mins"], *fmt) if fmt else None for d, fmt in self._formats]
 
     def biases(self) -> list[torch.Tensor | None]:
         return [d.get("bias") for d in self._biases]
@@ -165,7 +180,7 @@ def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scale
         hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
         [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
         [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
-        layers[0].head_dim, lora_a, lora_bt, groups)
+        layers[0].head_dim, lora_a, lora_bt, groups, [q for f in layers for q in f.quant()])
 
 
 @dataclass(eq=False)

@@ -14,7 +14,8 @@ optional per-head q/k norms, rotary, attention, output projection, residual, nor
 MLP, residual), in steps whose rows all take our C++ attention (the torch backend's decode and
 prefill kernels); other steps run the layer's own forward. A layer qualifies only where every
 piece of it already runs on our kernels or as aten does (its norm class and its modeling file's
-rotary fused, its linears routed through `routed_linear` or plain `nn.Linear`), and nothing
+rotary fused, its linears routed through `routed_linear`, plain `nn.Linear` or packed
+`QuantLinear`, run by `quant_linear` as its forward does), and nothing
 else is attached to it (hooks, a patched forward other than its compile region): the start-up
 line says which layers were left alone and why. LoRA adapters are the exception: the call asks
 each linear's LoRA hook for its factors and adds the contribution by the hook's own ops
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
+from .. import native, ops
 from ... import context
+from ..quant.linear import QuantLinear
 from .base import Router
 from .fused_layer import FusedLayer, FusedStack, SharedState, step_inputs
 from .linear import LinearPlan, candidates as linear_candidates, routed_codes, shape_of
@@ -44,6 +46,7 @@ logger = logging.getLogger("contbatch")
 KERNELS = ("auto", "layer", "off")  # the stack as one call where it can be, each layer, per module
 DTYPES = (torch.float32, torch.bfloat16)
 ATEN_CODES = (0, 0, 0)  # routed_linear's codes of a plain nn.Linear: aten at every row count
+QUANT_CODES = (ops.QUANT_CODE,) * 3  # a packed linear: quant_linear at every row count, as QuantLinear runs
 # Set by the engine's compile code on the function it puts in a decoder layer's `forward` to make
 # it a compile region: the layer class whose forward the region wraps.
 LAYER_REGION = "_contbatch_layer_region"
@@ -131,6 +134,10 @@ def _refusal(layer: torch.nn.Module, norm: NormPlan, rotary: RotaryPlan, linear:
     candidates = set(map(id, linear_candidates(layer)))
     for a, n in LINEARS:
         m = getattr(getattr(layer, a), n)
+        if type(m) is QuantLinear:
+            if not m.native or m.codes.device.type != "cpu":
+                return f"{a}.{n} is a packed linear without our C++ kernels"
+            continue
         if type(m) is not torch.nn.Linear or id(m) not in candidates:
             return f"{a}.{n} is not a plain nn.Linear"
         route = routes.get(shape_of(m))
@@ -185,6 +192,9 @@ def _fused_layer(layer: torch.nn.Module, linear: LinearPlan | None, shared: Shar
     routes = dict(linear.routes) if linear is not None else {}
     codes = []
     for m in linears:
+        if type(m) is QuantLinear:
+            codes += QUANT_CODES
+            continue
         route = routes.get(shape_of(m))
         codes += routed_codes(route) if route is not None else ATEN_CODES
     window = window_of(layer)
