@@ -23,9 +23,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string_view>
 #include <vector>
 
 #include "vec.h"
@@ -452,6 +454,20 @@ float* tile_buffer(int64_t floats) {
   return buffer.data();
 }
 
+// x [rows, in] times a dequantized tile [n, in] (+ bias): oneDNN's linear on the plain weight
+// where PyTorch has it (faster than at::linear's GEMM on prompt steps: docs/cpu.md), else
+// at::linear.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& tile, const at::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  static const bool use = op.has_value() && at::hasMKLDNN();
+  if (!use) return at::linear(x, tile, bias.defined() ? bias : at::Tensor());
+  static const auto linear =
+      op->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                           c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
+  return linear.call(x, tile, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, "none",
+                     c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
+}
+
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
                         int64_t group) {
@@ -467,13 +483,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const at::Tensor tile = at::from_blob(tile_buffer(tile_rows * p.in), {tile_rows, p.in}, x.options());
   if (tile_rows == out) {  // the whole weight in one tile: the product is the output
     dequantize_rows(p, 0, out, tile.data_ptr<float>());
-    return shaped(at::linear(x, tile, has_bias ? b : at::Tensor()), input);
+    return shaped(tile_linear(x, tile, b), input);
   }
   at::Tensor y = at::empty({rows, out}, x.options());
   for (int64_t o = 0; o < out; o += tile_rows) {
     const int64_t n = std::min(tile_rows, out - o);
     dequantize_rows(p, o, o + n, tile.data_ptr<float>());
-    y.narrow(1, o, n).copy_(at::linear(x, tile.narrow(0, 0, n), has_bias ? b.narrow(0, o, n) : at::Tensor()));
+    y.narrow(1, o, n).copy_(tile_linear(x, tile.narrow(0, 0, n), has_bias ? b.narrow(0, o, n) : at::Tensor()));
   }
   return shaped(y, input);
 }
