@@ -19,7 +19,7 @@
 // Up to kChunkedRows rows run the same kernels seven rows at a time over small bands of
 // output features (the codes then come from L1 for every chunk after the first). More rows
 // (prompts) dequantize a band of output features at a time into a float32 tile and hand it to
-// at::linear: there the arithmetic, not the weight read, bounds the time.
+// oneDNN's linear: there the arithmetic, not the weight read, bounds the time.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
