@@ -82,13 +82,15 @@ inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512&
     lo = _mm512_mul_ps(q0, s);
     hi = _mm512_mul_ps(q1, s);
   } else {
-    const __m512 m = _mm512_set1_ps(p.mins[o * p.groups() + g]);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
-    lo = _mm512_add_ps(_mm512_mul_ps(q0, s), m);
-    hi = _mm512_add_ps(_mm512_mul_ps(q1, s), m);
+    // The group's sixteen values code x scale + min, made once for the block's 32 weights and
+    // looked up by code (the permute reads each lane's low four bits): the same values as
+    // converting and scaling every code, in two operations per sixteen weights fewer.
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes, s), _mm512_set1_ps(p.mins[o * p.groups() + g]));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16)));
+    lo = _mm512_permutexvar_ps(bytes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   }
 }
 
@@ -164,6 +166,38 @@ void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, 
     }
 }
 constexpr int kInt8Streams = 4;
+
+// exact_band's products for O output features `stride` apart (int4 weights at one or two rows:
+// the streams keep the memory reads going as int8_outputs' do).
+template <int R, int O>
+void exact_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
+                   int64_t stride) {
+  const int64_t blocks = p.in / kBlock;
+  __m512 a[O][R][2];
+#pragma GCC unroll 8
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) a[q][r][0] = a[q][r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      __m512 lo, hi;
+      block_vec(p, o0 + q * stride, b, lo, hi);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        a[q][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * p.in + b * kBlock), a[q][r][0]);
+        a[q][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16), a[q][r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[q][r][0], a[q][r][1]));
+      const int64_t o = o0 + q * stride;
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+}
+#define CONTBATCH_QUANT_INT4_STREAMS 1
 #elif defined(CONTBATCH_VEC_AVX2)
 
 // Block b of row o as four 8-lane vectors (inputs 0-7, 8-15, 16-23, 24-31).
@@ -290,7 +324,8 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 
 // Output features [begin, end) against R rows of x (float32 [R, I]). One or two rows of int8
 // weights take the vector int8_outputs, several output features at a time, each from its own
-// stretch of the band; the rest take the exact kernel.
+// stretch of the band (int4 weights the same way through exact_outputs, with AVX-512); the
+// rest take the exact kernel.
 template <int R>
 void band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
           int64_t end) {
@@ -303,6 +338,13 @@ void band(const Packed& p, const float* x, const float* bias, float* y, int64_t 
       for (int64_t o = begin + O * stride; o < end; ++o) int8_outputs<R, 1>(p, x, bias, y, out_stride, o, 0);
       return;
     }
+#if defined(CONTBATCH_QUANT_INT4_STREAMS)
+    constexpr int O = 4;
+    const int64_t stride = (end - begin) / O;
+    for (int64_t o = begin; o < begin + stride; ++o) exact_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
+    exact_band<R>(p, x, bias, y, out_stride, begin + O * stride, end);
+    return;
+#endif
   }
 #endif
   exact_band<R>(p, x, bias, y, out_stride, begin, end);
