@@ -100,6 +100,20 @@ def test_mixed_batch_on_routed_and_fused_kernels(llama):
         assert stats["fused_enabled"] and any(kind[3] for kind in stats["fused_checked"]), stats["fused_checked"]
 
 
+def test_prompt_chunks_beside_decode_rows_take_segmented_groups(llama):
+    """A long prompt of one adapter prefilled in chunks while two others decode: padding the
+    groups to the chunk would triple the rows, so those steps take the groups one at a time
+    (segmented), in the one-call layers too, checked bit for bit; tokens equal PEFT's merge."""
+    model, paths, refs = llama
+    prompts = random_prompts(2, 4, 6, seed=31) + random_prompts(1, 40, 40, seed=32)
+    names = ["one", "two", "three"]
+    config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=16)
+    got, stats = served(model, config, prompts, names, paths, MAX_NEW)
+    assert got == expected(refs, prompts, names, MAX_NEW)
+    if native.load()[0]:
+        assert stats["fused_enabled"] and {k[3] for k in stats["fused_checked"]} >= {1, 2}, stats["fused_checked"]
+
+
 def test_generate_batch(llama):
     model, paths, refs = llama
     prompts = random_prompts(3, 6, 12, seed=13)

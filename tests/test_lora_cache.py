@@ -166,28 +166,40 @@ def test_registry_lru_bookkeeping():
     [2, -1, 0, 2, 0, 2],  # two groups of 2 and 3, a base row
     [1, 1, -1, 3, 3],  # groups of equal size and a base row: a filler entry is added for it
     [5],
+    [4] * 10 + [-1, 1, 2],  # a prompt chunk beside two decode rows: padding would triple the rows
+    [0, 0, 1] + [3] * 9,  # the same with no base row
 ])
 @pytest.mark.parametrize("padding", [0, 3])
 def test_lora_groups_gather_back_to_their_rows(slots, padding):
     """The step's grouping (lora/segments.py) against a loop: every adapter row sits in its
     slot's group and `inverse` finds it there; rows of no adapter (and the step's padding rows)
-    read a filler entry, which the hook zeroes; the hook's sum equals a per-row computation."""
-    from contbatch.lora.segments import group_rows
+    read a filler or the zero entry; groups padded to the largest unless that would more than
+    double the rows (then segmented); the products equal a per-row computation."""
+    from contbatch.lora.segments import group_rows, lora_products
     import numpy as np
 
     token_slots = np.array(slots, np.int64)
     n = len(slots) + padding
     step = group_rows(token_slots, n, torch.device("cpu"))
-    groups = len(set(s for s in slots if s >= 0))
-    assert step.slots == tuple(sorted(set(s for s in slots if s >= 0)))
-    rows, drop, inverse = step.rows.tolist(), step.drop.view(groups, -1).tolist(), step.inverse.tolist()
-    flat_drop = [d for g in drop for d in g]
-    width = len(rows) // groups
+    used = [s for s in slots if s >= 0]
+    groups = len(set(used))
+    assert step.slots == tuple(sorted(set(used)))
+    sizes = [used.count(s) for s in step.slots]
+    assert (step.bounds is not None) == (groups * max(sizes) > 2 * len(used))
+    rows, inverse = step.rows.tolist(), step.inverse.tolist()
+    if step.bounds is None:
+        flat_drop = [d for g in step.drop.view(groups, -1).tolist() for d in g]
+        group_of = [e // (len(rows) // groups) for e in range(len(rows))]
+    else:
+        assert step.drop is None and len(rows) == len(used) and step.bounds[-1] == len(used)
+        flat_drop = [False] * len(rows) + [True]  # entry len(rows): the zero one
+        group_of = [g for g in range(groups) for _ in range(step.bounds[g], step.bounds[g + 1])]
+        assert [step.bounds[g + 1] - step.bounds[g] for g in range(groups)] == sizes
     for r in range(n):
         entry = inverse[r]
         if r < len(slots) and slots[r] >= 0:
             assert rows[entry] == r and not flat_drop[entry]
-            assert step.slots[entry // width] == slots[r]
+            assert step.slots[group_of[entry]] == slots[r]
         else:
             assert flat_drop[entry]
     generator = torch.Generator().manual_seed(0)
@@ -195,9 +207,7 @@ def test_lora_groups_gather_back_to_their_rows(slots, padding):
     a = torch.randn(groups, 2, 6, generator=generator)
     bt = torch.randn(groups, 2, 5, generator=generator)
     base = torch.randn(n, 5, generator=generator)
-    xs = x.index_select(0, step.rows).view(groups, -1, 6)
-    h = torch.bmm(xs, a.transpose(1, 2)).masked_fill_(step.drop, 0)
-    got = base + torch.bmm(h, bt).view(-1, 5).index_select(0, step.inverse)
+    got = base + lora_products(x, a, bt, step)
     want = base.clone()
     for r, s in enumerate(slots):
         if s >= 0:

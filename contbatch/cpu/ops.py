@@ -144,7 +144,7 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
                   sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
                   decode: tuple, chunks: tuple, block_size: int, scales: list[float], windows: list[int],
                   head_dim: int, lora_a: list[torch.Tensor | None] | None = None,
-                  lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3,
+                  lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3 + ((),),
                   quant: list[tuple | None] | None = None) -> torch.Tensor:
     """Consecutive Llama-family decoder layers as one call: per layer, the kernels above and the
     attention kernels in the order the layer's own forward runs them, so the output is the
@@ -155,8 +155,9 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     and `windows` one per layer. `decode` is (block_table, kv_lens) of the step's leading
     decode rows or two None, `chunks` (block_table, q_start, q_lens, kv_lens) of its prompt
     chunks or four None. `lora_a` and `lora_bt` hold a LoRA hook's stacked factors per linear
-    (None where none applies; lora/hooks.py), `lora` the step's (rows, drop, inverse) groups: the call
-    then adds each adapter's contribution after its linear, by the hook's own ops. `quant` holds,
+    (None where none applies; lora/hooks.py), `lora` the step's (rows, drop, inverse, bounds)
+    groups (lora/segments.py's LoraStep; bounds () when padded): the call then adds each
+    adapter's contribution after its linear, by the hook's own ops. `quant` holds,
     per linear, a packed weight's (scales, mins, bits, group) or None: such a linear has its codes
     in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as QuantLinear does."""
     none = [None] * len(biases)

@@ -3,8 +3,8 @@
 For each adapter slot in the step (`segments.py`): `out[rows] += (x[rows] @ A^T) @ (scale * B)^T`;
 rows of no adapter add exact zeros. The products come back to their rows by a gather (a CPU
 scatter-add sorts its index on every call). The groups run as two batched products padded to
-the largest group (the registry's stacked factors, ranks zero-padded to the largest): the
-count of ops per layer stays the same whatever the number of adapters in the batch. A forward
+the largest group (the registry's stacked factors, ranks zero-padded to the largest), or one
+group at a time where padding would more than double the rows (`segments.lora_products`). A forward
 hook runs after whatever forward the layer has, so it composes with the CPU linear router
 (`cpu/routers/linear.py` patches `forward`; hooks live apart from it) and with any kernel the
 router chose. The fused CPU decoder layers call their linears' kernels themselves: they ask
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .registry import AdapterRegistry
+from .segments import lora_products
 
 logger = logging.getLogger("contbatch")
 
@@ -68,10 +69,7 @@ class LoraHooks:
             if x.shape[0] != step.num_tokens:
                 raise RuntimeError(f"LoRA on {name!r}: the layer saw {x.shape[0]} rows in a step of "
                                    f"{step.num_tokens} tokens (only per-token layers can take adapters)")
-            a, bt = factors  # [G, R, in], [G, R, out] (scale folded in)
-            xs = x.index_select(0, step.rows).view(len(step.slots), -1, module.in_features)
-            h = torch.bmm(xs, a.transpose(1, 2)).masked_fill_(step.drop, 0)
-            out.add_(torch.bmm(h, bt).view(-1, module.out_features).index_select(0, step.inverse))
+            out.add_(lora_products(x, *factors, step))  # factors: [G, R, in], [G, R, out] (scale folded in)
             return out.view(output.shape)
 
         def lora_factors(step) -> tuple[torch.Tensor, torch.Tensor] | None:

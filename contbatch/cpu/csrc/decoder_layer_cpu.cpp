@@ -18,7 +18,7 @@
 //   eps: the norms' epsilons, in the weights' order
 //   key_caches, value_caches, scales, windows: one per layer
 //   lora_a, lora_bt: one per linear, None where no adapter of the step applies to it; with
-//   lora_rows, lora_drop and lora_inverse, the step's LoRA groups (lora/segments.py, lora/hooks.py)
+//   lora_rows, lora_drop, lora_inverse and lora_bounds, the step's LoRA groups (lora/segments.py)
 //   quant_scales, quant_mins, quant_formats: for a packed linear (cpu/quant/linear.py's QuantLinear,
 //   route code kQuant, its codes in `weights`), its scales, mins (int4) and (bits, group); None,
 //   None and (0, 0) for a float one
@@ -81,22 +81,42 @@ struct Step {
   int64_t block_size;
   int64_t head_dim;
   const std::optional<at::Tensor>& lora_rows;  // [G * m] int64: each adapter group's rows, padded
-  const std::optional<at::Tensor>& lora_drop;  // [G, m, 1] bool: the padding entries
-  const std::optional<at::Tensor>& lora_inverse;  // [T] int64: each row's entry (a padding one for base rows)
+  const std::optional<at::Tensor>& lora_drop;  // [G, m, 1] bool: the padding entries (padded groups)
+  const std::optional<at::Tensor>& lora_inverse;  // [T] int64: each row's entry (a zero one for base rows)
+  at::IntArrayRef lora_bounds;  // segmented groups: G + 1 offsets into lora_rows (empty: padded)
 };
 
-// lora/hooks.py's `add_lora`, by the same ops in the same order (so bit-identical): every
-// adapter group's rows at once as two batched products, the padding entries zeroed, the
-// products gathered back into row order and added (a row of no adapter adds a zero entry).
+// lora/segments.py's `lora_products`, added as lora/hooks.py's `add_lora` adds it, by the same
+// ops in the same order (so bit-identical): padded groups all at once as two batched products,
+// the padding entries zeroed; segmented groups two products each, into an array whose last
+// entry is zero; the products gathered back into row order and added (a row of no adapter adds
+// a zero entry).
 at::Tensor add_lora(const at::Tensor& x, const at::Tensor& y, int64_t index, const Layer& layer, const Step& step) {
   const std::optional<at::Tensor>& a = layer.lora_a[index];
   if (!a.has_value()) return y;
+  const at::Tensor& bt = *layer.lora_bt[index];
   const int64_t in = x.size(-1), out = y.size(-1);
   const at::Tensor x2 = x.reshape({-1, in});
   at::Tensor y2 = y.reshape({-1, out});
-  const at::Tensor xs = x2.index_select(0, *step.lora_rows).view({a->size(0), -1, in});
-  const at::Tensor h = at::bmm(xs, a->transpose(1, 2)).masked_fill_(*step.lora_drop, 0);
-  y2.add_(at::bmm(h, *layer.lora_bt[index]).view({-1, out}).index_select(0, *step.lora_inverse));
+  if (step.lora_bounds.empty()) {
+    const at::Tensor xs = x2.index_select(0, *step.lora_rows).view({a->size(0), -1, in});
+    const at::Tensor h = at::bmm(xs, a->transpose(1, 2)).masked_fill_(*step.lora_drop, 0);
+    y2.add_(at::bmm(h, bt).view({-1, out}).index_select(0, *step.lora_inverse));
+    return y2.view(y.sizes());
+  }
+  const at::Tensor xs = x2.index_select(0, *step.lora_rows);
+  const int64_t n = xs.size(0);
+  const at::ArrayRef<int64_t> bounds = step.lora_bounds;
+  at::Tensor h = xs.new_empty({n, a->size(1)});
+  at::Tensor products = xs.new_empty({n + 1, out});
+  products.select(0, n).zero_();
+  for (size_t g = 0; g + 1 < bounds.size(); ++g) {
+    const int64_t start = bounds[g], rows = bounds[g + 1] - bounds[g];
+    at::Tensor h_g = h.narrow(0, start, rows), products_g = products.narrow(0, start, rows);
+    at::mm_out(h_g, xs.narrow(0, start, rows), a->select(0, static_cast<int64_t>(g)).t());
+    at::mm_out(products_g, h_g, bt.select(0, static_cast<int64_t>(g)));
+  }
+  y2.add_(products.index_select(0, *step.lora_inverse));
   return y2.view(y.sizes());
 }
 
@@ -275,9 +295,9 @@ void check_step(const at::Tensor& hidden, const Step& step) {
   TORCH_CHECK(step.slots.size(0) == tokens, "decoder_stack: one slot per token");
   TORCH_CHECK(step.decode_kv_lens.has_value() == (decode_rows > 0) && (chunks || decode_rows == tokens),
               "decoder_stack: decode rows (table and key counts) for the first rows, prompt chunks for the rest");
-  TORCH_CHECK(step.lora_rows.has_value() == step.lora_drop.has_value() &&
-                  step.lora_rows.has_value() == step.lora_inverse.has_value(),
-              "decoder_stack: LoRA rows with their padding and inverse");
+  TORCH_CHECK(step.lora_rows.has_value() == step.lora_inverse.has_value() &&
+                  step.lora_drop.has_value() == (step.lora_rows.has_value() && step.lora_bounds.empty()),
+              "decoder_stack: LoRA rows with their inverse, and their padding or their groups' bounds");
 }
 
 // Decoder layers of a step, one after the other: what the model's own loop calls layer by layer,
@@ -294,7 +314,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& lora_a,
                          const c10::List<std::optional<at::Tensor>>& lora_bt, const std::optional<at::Tensor>& lora_rows,
                          const std::optional<at::Tensor>& lora_drop, const std::optional<at::Tensor>& lora_inverse,
-                         const c10::List<std::optional<at::Tensor>>& quant_scales,
+                         at::IntArrayRef lora_bounds, const c10::List<std::optional<at::Tensor>>& quant_scales,
                          const c10::List<std::optional<at::Tensor>>& quant_mins, at::IntArrayRef quant_formats) {
   const int64_t layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
@@ -318,7 +338,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                   static_cast<int64_t>(quant_formats.size()) == 2 * kLinears * layers,
               "decoder_stack: scales, mins (or None) and (bits, group) for every linear");
   const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
-                  chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse};
+                  chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse, lora_bounds};
   check_step(hidden, step);
   const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
   const std::vector<std::optional<at::Tensor>> shrink = lora_a.vec(), expand = lora_bt.vec();
@@ -359,7 +379,7 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
       "Tensor? decode_table, Tensor? decode_kv_lens, Tensor? chunk_table, Tensor? chunk_q_start, "
       "Tensor? chunk_q_lens, Tensor? chunk_kv_lens, int block_size, float[] scales, int[] windows, "
       "int head_dim, Tensor?[] lora_a, Tensor?[] lora_bt, Tensor? lora_rows, Tensor? lora_drop, Tensor? lora_inverse, "
-      "Tensor?[] quant_scales, Tensor?[] quant_mins, int[] quant_formats) -> Tensor");
+      "int[] lora_bounds, Tensor?[] quant_scales, Tensor?[] quant_mins, int[] quant_formats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {

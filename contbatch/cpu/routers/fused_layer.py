@@ -53,7 +53,8 @@ class StepInputs:
     decode: tuple  # (block_table, kv_lens) of the leading decode rows, or (None, None)
     chunks: tuple  # (block_table, q_start, q_lens, kv_lens) of the prompt chunks, or four None
     block_size: int
-    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks; has LoRA rows)
+    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks;
+    #              LoRA rows: 0 none, 1 in padded groups, 2 in segmented ones)
     lora: Any = None  # the step's LoRA groups (lora/segments.py's LoraStep), None: no adapter row
 
 
@@ -71,7 +72,7 @@ def step_inputs(meta: Any) -> StepInputs | None:
         d, c, rows = step.decode_rows, step.prefill_chunks, step.num_tokens
         lora = getattr(meta, "lora", None)
         kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None,
-                lora is not None)
+                0 if lora is None else 1 if lora.bounds is None else 2)
         inputs = StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
                             (None,) * 4 if c is None else (c.block_table, c.q_start, c.q_lens, c.kv_lens),
                             meta.cache.block_size, kind, lora)
@@ -170,12 +171,12 @@ def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scale
     regime = step.kind[0]
     caches = [step.cache.kv(f.layer_idx) for f in layers]
     lora_a = lora_bt = None
-    groups = (None,) * 3
+    groups = (None, None, None, ())
     if step.lora is not None:
         factors = [f for layer in layers for f in layer.lora_factors(step.lora)]
         lora_a = [None if f is None else f[0] for f in factors]
         lora_bt = [None if f is None else f[1] for f in factors]
-        groups = (step.lora.rows, step.lora.drop, step.lora.inverse)
+        groups = (step.lora.rows, step.lora.drop, step.lora.inverse, step.lora.bounds or ())
     return ops.decoder_stack(
         hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
         [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
