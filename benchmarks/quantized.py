@@ -9,12 +9,17 @@ the prompt included) and `--streams` requests together (aggregate tok/s). Printe
 reads (packed codes, scales and mins of the quantized layers, float32 for the rest) at the
 read bandwidth the float32 model's weights measured in the parent (harness/ceilings.py).
 
-    python benchmarks/quantized.py [--systems float32,int8,int4] [--rounds 3] [--new-tokens 64]
+Foreign load is watched as in every comparative benchmark (a noisy run is not recorded in
+`--results-md`).
+
+    python benchmarks/quantized.py [--systems float32,int8,int4] [--repeats 3] [--new-tokens 64]
+        [--results-md benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import harness as H
@@ -53,9 +58,9 @@ emit({"single": single, "streams": many, "read_bytes": read})
 def main() -> None:
     p = H.parser(__doc__)
     p.add_argument("--systems", default="float32,int8,int4")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=32)
+    H.add_common_args(p, repeats=3)
     args = H.parse(p)
     systems = H.comma_list(args.systems)
     from contbatch import load_model
@@ -66,7 +71,11 @@ def main() -> None:
     print(f"weight read bandwidth {gbps:.1f} GB/s ({how}, float32 model, {nbytes / 1e6:.0f} MB)", flush=True)
     here = str(Path(__file__).resolve().parent)
     samples: dict[str, list[dict]] = {s: [] for s in systems}
-    for round_, system in H.rounds(systems, args.rounds):
+    H.wait_for_quiet(args.noise_threshold)
+    monitor = H.LoadMonitor(threshold=args.noise_threshold).start()
+    machine = H.machine_info()
+    monitor.warn_if_loaded()
+    for round_, system in H.rounds(systems, args.repeats):
         r = H.run_child(CHILD, [here, system, args.new_tokens, args.streams],
                       tree=str(Path(here).parent))
         samples[system].append(r)
@@ -78,8 +87,19 @@ def main() -> None:
         rows.append([s, f"{read / 1e6:.0f}", f"{gbps * 1e9 / read:.1f}",
                      H.Spread.of([r["single"] for r in samples[s]]).fmt(),
                      H.Spread.of([r["streams"] for r in samples[s]]).fmt()])
-    print(H.md_table(["system", "MB read / token", "floor tok/s", "1 request tok/s",
-                              f"{args.streams} streams tok/s"], rows, [False, True, True, True, True]))
+    load = monitor.stop()
+    table = H.md_table(["system", "MB read / token", "floor tok/s", "1 request tok/s", f"{args.streams} streams tok/s"],
+                       rows, [False, True, True, True, True])
+    print(H.load_line(load) + "\n" + table)
+    md = H.report_header("quantized linears on the default model (`benchmarks/quantized.py`)", machine, load,
+                         args.noise_threshold)
+    md += [f"Each system in a fresh process, {args.repeats} rounds interleaved; one request of {args.new_tokens} new "
+           f"tokens after a short prompt (the prompt counted), then {args.streams} together; median [min, max]. "
+           f"Floor: the bytes a token reads at the weight-read bandwidth measured here ({gbps:.1f} GB/s).\n", table]
+    report = {"benchmark": "quantized", "command": H.command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": machine, "load": load, "noisy_rule": H.noisy_rule(args.noise_threshold),
+              "read_gbps": gbps, "samples": samples}
+    H.write_outputs(args, report, "\n".join(md))
     print(json.dumps({s: samples[s] for s in systems}))
 
 
