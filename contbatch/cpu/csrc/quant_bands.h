@@ -1,0 +1,352 @@
+// The register kernels of quant_linear_cpu.cpp (included there only): a packed weight's
+// layout (`Packed`), each block's 32 weights rebuilt in registers (`block_vec`, AVX-512 or AVX2,
+// or `block_scalar`), and the bands of output features against one to seven rows of x
+// (`band<R>`, picked by `pick`). The file comment of quant_linear_cpu.cpp says what each path
+// computes and why.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace contbatch_quant {
+
+using namespace contbatch_vec;
+
+constexpr int64_t kMaxRows = 7;
+constexpr int64_t kBlock = 32;
+
+struct Packed {
+  const uint8_t* codes;  // int8 or packed int4 bytes
+  const float* scales;
+  const float* mins;  // int4 only
+  int64_t in, group, bits, out;
+  int64_t row_bytes() const { return bits == 8 ? in : in / 2; }
+  int64_t groups() const { return in / group; }
+};
+
+// The 32 dequantized weights of block `b` of output row `o`, into w[0..31].
+inline void block_scalar(const Packed& p, int64_t o, int64_t b, float* w) {
+  const int64_t g = b * kBlock / p.group;
+  const float s = p.scales[o * p.groups() + g];
+  if (p.bits == 8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + o * p.in + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(c[j]) * s;
+  } else {
+    const float m = p.mins[o * p.groups() + g];
+    const uint8_t* c = p.codes + o * p.row_bytes() + b * (kBlock / 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      w[j] = static_cast<float>(c[j] & 0x0F) * s + m;
+      w[j + 16] = static_cast<float>(c[j] >> 4) * s + m;
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Block b of row o as two 16-lane vectors (inputs 0-15, 16-31).
+inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512& hi) {
+  const int64_t g = b * kBlock / p.group;
+  const __m512 s = _mm512_set1_ps(p.scales[o * p.groups() + g]);
+  if (p.bits == 8) {
+    const uint8_t* c = p.codes + o * p.in + b * kBlock;
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
+    lo = _mm512_mul_ps(q0, s);
+    hi = _mm512_mul_ps(q1, s);
+  } else {
+    // The group's sixteen values code x scale + min, made once for the block's 32 weights and
+    // looked up by code (the permute reads each lane's low four bits): the same values as
+    // converting and scaling every code, in two operations per sixteen weights fewer.
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes, s), _mm512_set1_ps(p.mins[o * p.groups() + g]));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16)));
+    lo = _mm512_permutexvar_ps(bytes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+}
+
+// Output features [begin, end) against R rows of x (float32 [R, I]), each weight rebuilt exactly.
+template <int R>
+void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+                int64_t end) {
+  const int64_t blocks = p.in / kBlock;
+  for (int64_t o = begin; o < end; ++o) {
+    __m512 a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 lo, hi;
+      block_vec(p, o, b, lo, hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        a[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * p.in + b * kBlock), a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16), a[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+  }
+}
+
+// The AVX2 int8_outputs below, sixteen lanes: O output features `stride` apart, the codes
+// unscaled into x, each group's scale applied once.
+template <int R, int O>
+void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
+                  int64_t stride) {
+  const int64_t groups = p.groups(), per_group = p.group / kBlock;
+  __m512 acc[O][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 t[O][R][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < O; ++q)
+      for (int r = 0; r < R; ++r) t[q][r][0] = t[q][r][1] = _mm512_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+#pragma GCC unroll 4
+      for (int q = 0; q < O; ++q) {
+        const uint8_t* c = p.codes + (o0 + q * stride) * p.in + b * kBlock;
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; ++k) {
+          const __m512 w = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * k))));
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r)
+            t[q][r][k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16 * k), t[q][r][k]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      const __m512 scale = _mm512_set1_ps(p.scales[(o0 + q * stride) * groups + g]);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
+        acc[q][r] = _mm512_fmadd_ps(_mm512_add_ps(t[q][r][0], t[q][r][1]), scale, acc[q][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(acc[q][r]);
+      const int64_t o = o0 + q * stride;
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+}
+constexpr int kInt8Streams = 4;
+
+// exact_band's products for O output features `stride` apart (int4 weights at one or two rows:
+// the streams keep the memory reads going as int8_outputs' do).
+template <int R, int O>
+void exact_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
+                   int64_t stride) {
+  const int64_t blocks = p.in / kBlock;
+  __m512 a[O][R][2];
+#pragma GCC unroll 8
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) a[q][r][0] = a[q][r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      __m512 lo, hi;
+      block_vec(p, o0 + q * stride, b, lo, hi);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        a[q][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * p.in + b * kBlock), a[q][r][0]);
+        a[q][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16), a[q][r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[q][r][0], a[q][r][1]));
+      const int64_t o = o0 + q * stride;
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+}
+#define CONTBATCH_QUANT_INT4_STREAMS 1
+#elif defined(CONTBATCH_VEC_AVX2)
+
+// Block b of row o as four 8-lane vectors (inputs 0-7, 8-15, 16-23, 24-31).
+inline void block_vec(const Packed& p, int64_t o, int64_t b, __m256 (&w)[4]) {
+  const int64_t g = b * kBlock / p.group;
+  const __m256 s = _mm256_set1_ps(p.scales[o * p.groups() + g]);
+  if (p.bits == 8) {
+    const uint8_t* c = p.codes + o * p.in + b * kBlock;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k));
+      w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s);
+    }
+  } else {
+    const __m256 m = _mm256_set1_ps(p.mins[o * p.groups() + g]);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), s), m);
+  }
+}
+
+template <int R>
+void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+                int64_t end) {
+  const int64_t blocks = p.in / kBlock;
+  constexpr int A = R <= 2 ? 4 : 2;  // accumulators per row: A x R + 4 weight vectors <= 16 registers
+  for (int64_t o = begin; o < end; ++o) {
+    __m256 a[R][A];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < A; ++k) a[r][k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 w[4];
+      block_vec(p, o, b, w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k)
+          a[r][k % A] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + r * p.in + b * kBlock + 8 * k), a[r][k % A]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256 t = a[r][0];
+      for (int k = 1; k < A; ++k) t = _mm256_add_ps(t, a[r][k]);
+      const float sum = hsum8(t);
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+  }
+}
+
+// One or two rows of int8 weights, O output features at a time: over the groups, scale x
+// (codes . x). The codes meet x unscaled and each group's scale is applied once, which saves
+// the per-weight product that bounds the exact kernel at one or two rows; the weights are then
+// not rebuilt exactly, so the result differs from F.linear on the dequantized weight by float
+// rounding. The O output features are `stride` apart: each of the O streams of codes is read
+// in order from memory across calls (adjacent rows read interleaved defeat the hardware
+// prefetcher when the weights come from DRAM).
+template <int R, int O>
+void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
+                  int64_t stride) {
+  const int64_t groups = p.groups(), per_group = p.group / kBlock;
+  __m256 acc[O][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 t[O][R][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < O; ++q)
+      for (int r = 0; r < R; ++r) t[q][r][0] = t[q][r][1] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+#pragma GCC unroll 4
+      for (int q = 0; q < O; ++q) {
+        const uint8_t* c = p.codes + (o0 + q * stride) * p.in + b * kBlock;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m256 w =
+              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k))));
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r)
+            t[q][r][k & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * p.in + b * kBlock + 8 * k), t[q][r][k & 1]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      const __m256 scale = _mm256_set1_ps(p.scales[(o0 + q * stride) * groups + g]);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
+        acc[q][r] = _mm256_fmadd_ps(_mm256_add_ps(t[q][r][0], t[q][r][1]), scale, acc[q][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) {
+      const float sum = hsum8(acc[q][r]);
+      const int64_t o = o0 + q * stride;
+      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
+    }
+}
+
+constexpr int kInt8Streams = 2;  // at two rows: O x R x 3 accumulators + 4 code vectors in 16 registers
+#else
+template <int R>
+void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+                int64_t end) {
+  const int64_t blocks = p.in / kBlock;
+  float w[kBlock];
+  for (int64_t o = begin; o < end; ++o) {
+    float sum[R] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_scalar(p, o, b, w);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kBlock; ++j) sum[r] += w[j] * x[r * p.in + b * kBlock + j];
+    }
+    for (int r = 0; r < R; ++r) y[r * out_stride + o] = bias ? sum[r] + bias[o] : sum[r];
+  }
+}
+#endif
+
+// Output features [begin, end) against R rows of x (float32 [R, I]). One or two rows of int8
+// weights take the vector int8_outputs, several output features at a time, each from its own
+// stretch of the band (int4 weights the same way through exact_outputs, with AVX-512); the
+// rest take the exact kernel.
+template <int R>
+void band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+          int64_t end) {
+#if defined(CONTBATCH_VEC_AVX2) || (defined(__AVX512F__) && defined(__AVX512BW__))
+  if constexpr (R <= 2) {
+    if (p.bits == 8) {
+      constexpr int O = R == 1 ? 4 : kInt8Streams;
+      const int64_t stride = (end - begin) / O;
+      for (int64_t o = begin; o < begin + stride; ++o) int8_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
+      for (int64_t o = begin + O * stride; o < end; ++o) int8_outputs<R, 1>(p, x, bias, y, out_stride, o, 0);
+      return;
+    }
+#if defined(CONTBATCH_QUANT_INT4_STREAMS)
+    constexpr int O = 4;
+    const int64_t stride = (end - begin) / O;
+    for (int64_t o = begin; o < begin + stride; ++o) exact_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
+    exact_band<R>(p, x, bias, y, out_stride, begin + O * stride, end);
+    return;
+#endif
+  }
+#endif
+  exact_band<R>(p, x, bias, y, out_stride, begin, end);
+}
+
+using BandFn = void (*)(const Packed&, const float*, const float*, float*, int64_t, int64_t, int64_t);
+
+inline BandFn pick(int64_t rows) {
+  static const BandFn table[kMaxRows] = {band<1>, band<2>, band<3>, band<4>, band<5>, band<6>, band<7>};
+  return table[rows - 1];
+}
+
+// Block b of row o dequantized into w[0..31]: the vector kernels' values (the same product
+// and sum, one rounding each), stored.
+inline void block_store(const Packed& p, int64_t o, int64_t b, float* w) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 lo, hi;
+  block_vec(p, o, b, lo, hi);
+  _mm512_storeu_ps(w, lo);
+  _mm512_storeu_ps(w + 16, hi);
+#elif defined(CONTBATCH_VEC_AVX2)
+  __m256 v[4];
+  block_vec(p, o, b, v);
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, v[k]);
+#else
+  block_scalar(p, o, b, w);
+#endif
+}
+
+}  // namespace contbatch_quant
