@@ -69,32 +69,6 @@ inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512&
   }
 }
 
-// Output features [begin, end) against R rows of x (float32 [R, I]), each weight rebuilt exactly.
-template <int R>
-void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
-                int64_t end) {
-  const int64_t blocks = p.in / kBlock;
-  for (int64_t o = begin; o < end; ++o) {
-    __m512 a[R][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 lo, hi;
-      block_vec(p, o, b, lo, hi);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        a[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * p.in + b * kBlock), a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16), a[r][1]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
-      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
-    }
-  }
-}
-
 // The AVX2 int8_outputs below, sixteen lanes: O output features `stride` apart, the codes
 // unscaled into x, each group's scale applied once.
 template <int R, int O>
@@ -142,8 +116,9 @@ void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, 
 }
 constexpr int kInt8Streams = 4;
 
-// exact_band's products for O output features `stride` apart (int4 weights at one or two rows:
-// the streams keep the memory reads going as int8_outputs' do).
+// O output features `stride` apart against R rows of x (float32 [R, I]), each weight rebuilt
+// exactly (O = 1: exact_band's; int4 weights at one or two rows take O = 4, the streams keeping
+// the memory reads going as int8_outputs' do).
 template <int R, int O>
 void exact_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
                    int64_t stride) {
@@ -157,7 +132,7 @@ void exact_outputs(const Packed& p, const float* x, const float* bias, float* y,
     for (int q = 0; q < O; ++q) {
       __m512 lo, hi;
       block_vec(p, o0 + q * stride, b, lo, hi);
-#pragma GCC unroll 2
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         a[q][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * p.in + b * kBlock), a[q][r][0]);
         a[q][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * p.in + b * kBlock + 16), a[q][r][1]);
@@ -171,6 +146,13 @@ void exact_outputs(const Packed& p, const float* x, const float* bias, float* y,
       const int64_t o = o0 + q * stride;
       y[r * out_stride + o] = bias ? sum + bias[o] : sum;
     }
+}
+
+// Output features [begin, end) against R rows of x (float32 [R, I]), each weight rebuilt exactly.
+template <int R>
+void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+                int64_t end) {
+  for (int64_t o = begin; o < end; ++o) exact_outputs<R, 1>(p, x, bias, y, out_stride, o, 0);
 }
 #define CONTBATCH_QUANT_INT4_STREAMS 1
 #elif defined(CONTBATCH_VEC_AVX2)

@@ -120,9 +120,9 @@ class FusedLayer:
                          for m in (self.norms[0], *self.linears[:4], self.norms[1], *self.linears[4:],
                                    *self.norms[2:])]
         self._biases = [tensors(m) for m in self.linears]
-        self._quant = [m for m in self.linears if isinstance(m, QuantLinear)]
         self._formats = [(m._buffers, (m.fmt.bits, m.fmt.group) if isinstance(m, QuantLinear) else None)
                          for m in self.linears]
+        self._packed = any(fmt for _, fmt in self._formats)
         self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in
 
     def weights(self) -> list[torch.Tensor]:
@@ -130,7 +130,7 @@ class FusedLayer:
 
     def quant(self) -> list[tuple | None]:
         """Per linear, a packed one's (scales, mins, bits, group) (ops.decoder_stack's `quant`)."""
-        if not self._quant:
+        if not self._packed:
             return [None] * len(self.linears)
         return [(d["scales"], d["mins"], *fmt) if fmt else None for d, fmt in self._formats]
 
