@@ -157,15 +157,19 @@ def test_plan_refuses_what_it_cannot_reproduce():
 def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     """Qwen3 (q/k norms), Mistral (a window): after the first step of a kind ran the layers one by
     one (checked, and showing a plain chain), the steps of that kind run the whole stack as one
-    call; tokens equal `model.generate`'s and the engine's own one-call-per-layer path."""
+    call; tokens equal `model.generate`'s and the engine's own one-call-per-layer path. The
+    model's forward (routers/model_forward.py) then skips its later layers instead of calling
+    each to be handed the stack's output."""
     model = make_tiny_model(arch)
-    stacked = []
-    real = fused_layer.FusedStack.run
+    stacked, passed_on = [], []
+    real, real_pass_on = fused_layer.FusedStack.run, fused_layer.FusedStack.pass_on
     monkeypatch.setattr(fused_layer.FusedStack, "run",
                         lambda self, h, *a: stacked.append(h.shape[1]) or real(self, h, *a))
+    monkeypatch.setattr(fused_layer.FusedStack, "pass_on", lambda self, *a: passed_on.append(1) or real_pass_on(self, *a))
     prompts = random_prompts(7, 1, 60, seed=11)
     _, results, _, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
     assert enabled and len(stacked) > 3 and max(stacked) > 1, stacked  # decode rows, and beside prompt chunks
+    assert not passed_on  # no later layer was called in a step whose stack ran
     for prompt, got in zip(prompts, results):
         assert got == reference_generate(model, prompt, 8)
     count = len(stacked)
@@ -232,3 +236,4 @@ def test_layers_are_given_back_and_user_forwards_are_untouched():
     finally:
         fused_layer.FusedLayer.run = real
     assert not any("forward" in m.__dict__ or "_contbatch_fused" in m.__dict__ for m in model.model.layers)
+    assert "forward" not in model.model.__dict__ and "_contbatch_shared" not in model.model.__dict__

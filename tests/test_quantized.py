@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, generate_batch
 from contbatch.cpu import native
+from contbatch.cpu.quant.embedding import QuantEmbedding
 from contbatch.cpu.quant.format import format_for, quantize
 from contbatch.cpu.quant.linear import QuantLinear
 from contbatch.setup.quantize import quantize_model
@@ -101,17 +102,22 @@ def test_bad_input_is_refused():
         quantize_model(make_tiny_model("llama"), "int3")
 
 
-def float_reference(arch: str, quantized: torch.nn.Module) -> torch.nn.Module:
-    """The same tiny model in float32, each quantized layer's weight replaced by its values."""
-    ref = make_tiny_model(arch)
+def tied_tiny_llama() -> torch.nn.Module:
+    """The tiny Llama with its head tied to its embedding (one weight, as in the default model)."""
+    model = make_tiny_model("llama")
+    model.lm_head.weight = model.get_input_embeddings().weight
+    return model
+
+
+def float_reference(arch: str, quantized: torch.nn.Module, build=None) -> torch.nn.Module:
+    """The same tiny model in float32 (`build()`, else `make_tiny_model(arch)`), each quantized
+    layer's weight replaced by its values (a tied head's weight is the embedding's too: both
+    take them, as the quantized model's packed embedding does)."""
+    ref = build() if build is not None else make_tiny_model(arch)
     with torch.no_grad():
         for name, m in quantized.named_modules():
             if isinstance(m, QuantLinear):
-                target = ref.get_submodule(name)
-                if target.weight is ref.get_input_embeddings().weight:  # a tied head: untie it in the reference
-                    target.weight = torch.nn.Parameter(reference_values(m))
-                else:
-                    target.weight.copy_(reference_values(m))
+                ref.get_submodule(name).weight.copy_(reference_values(m))
     return ref
 
 
@@ -147,11 +153,37 @@ def test_quantized_tiny_models_match_their_dequantized_reference(arch, method):
     model = make_tiny_model(arch)
     summary = quantize_model(model, method)
     assert summary.quantized_layers == sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
-    assert summary.packed_bytes < summary.float32_bytes / (3 if method == "int8" else 5)
+    assert summary.packed_bytes < summary.float32_bytes / 3
+    assert model.lm_head.fmt.source == "int8"  # the output layer is int8 under every method
+    body = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
+    assert sum(m.nbytes for m in body) < sum(4 * m.in_features * m.out_features for m in body) / (
+        3 if method == "int8" else 5)
+    assert summary.embedding is None and type(model.get_input_embeddings()) is torch.nn.Embedding  # untied: float
     ref = float_reference(arch, model)
     prompts = random_prompts(12, 1, 50, seed=7)
     ties = compare(model, ref, prompts, 8, ContinuousBatchingConfig(block_size=4, max_batch_tokens=48))
     print(f"{arch} {method}: near-ties {ties}")
+    assert len(ties) <= 2
+
+
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+def test_a_tied_head_and_embedding_share_one_packed_table():
+    """A tied head is one weight: quantized, the embedding looks its rows up in the head's
+    packed table (no float table stays resident), and tokens equal the float model's with that
+    one weight replaced by its dequantized values."""
+    model = tied_tiny_llama()
+    summary = quantize_model(model, "int8")
+    embed = model.get_input_embeddings()
+    assert isinstance(embed, QuantEmbedding) and embed.codes is model.lm_head.codes
+    assert summary.embedding == "int8, shared with the tied head"
+    float_bytes = 4 * sum(p.numel() for p in model.parameters())  # the norms: all that stays float
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" in n)
+    assert summary.resident_bytes == summary.packed_bytes + float_bytes + buffers
+    ids = torch.tensor([[3, 7, 7, 500]])
+    assert torch.equal(embed(ids)[0], reference_values(model.lm_head)[ids[0]])
+    ref = float_reference("llama", model, build=tied_tiny_llama)
+    assert ref.lm_head.weight is ref.get_input_embeddings().weight
+    ties = compare(model, ref, random_prompts(8, 1, 40, seed=3), 8, ContinuousBatchingConfig(block_size=4))
     assert len(ties) <= 2
 
 

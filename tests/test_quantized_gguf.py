@@ -56,6 +56,12 @@ def test_default_gguf_served_quantized_matches_its_dequantized_model(default_mod
     ref, _ = default_model
     summary = model.contbatch_quantization
     assert dict(summary.formats) == {"Q4_1": 210, "Q8_0": 1} and not summary.float_layers
+    # The tied embedding looks up the head's Q8_0 table: the values transformers dequantized.
+    assert summary.embedding == "Q8_0, shared with the tied head"
+    ids = torch.tensor([[0, 17, 49151]])
+    assert torch.equal(model.get_input_embeddings()(ids), ref.get_input_embeddings()(ids))
+    float_bytes = 4 * sum(p.numel() for p in model.parameters())  # the norms
+    assert summary.packed_bytes < summary.resident_bytes < summary.packed_bytes + float_bytes + 2**20
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             assert torch.equal(reference_values(m), ref.get_submodule(name).weight.detach()), name

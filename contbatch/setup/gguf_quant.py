@@ -2,8 +2,9 @@
 for block into `QuantLinear` layers, never through float.
 
 The model is first loaded as today (transformers dequantizes every tensor, which gives the
-embedding, norms and the layers left float); then each linear layer whose GGUF tensor is of
-one of these types is swapped for the tensor's own blocks:
+norms and the layers left float); then each linear layer whose GGUF tensor is of one of these
+types is swapped for the tensor's own blocks, and so is a plain embedding (a lookup of the
+packed table, `cpu/quant/embedding.py`; a tied one shares the head's):
 
 - Q8_0 (fp16 d, 32 int8): int8 codes with groups of 32, scale d.
 - Q4_0 (fp16 d, 16 bytes of nibbles): int4, scale d, min -8 d (w = (q - 8) d exactly).
@@ -30,7 +31,8 @@ import torch
 from ..cpu import native, ops
 from ..cpu.quant.format import BLOCK, PackedWeight, QuantFormat, dequantize
 from ..cpu.quant.linear import QuantLinear
-from .quantize import QuantSummary, linear_layers, record, summary_of, swap
+from .quantize import (QuantSummary, linear_layers, plain_embedding, record, share_tied_table, summary_of, swap,
+                       swap_embedding, tied_embedding)
 
 logger = logging.getLogger("contbatch")
 
@@ -93,31 +95,37 @@ def attach_gguf_blocks(model: torch.nn.Module, path: str | Path) -> QuantSummary
     by_hf = {mapping[t.name]: t for t in reader.tensors if t.name in mapping}
     embed = model.get_input_embeddings()
     embed_name = next((n for n, p in model.named_parameters() if embed is not None and p is embed.weight), None)
+    tied = tied_embedding(model)
     swapped: list[QuantLinear] = []
     left: dict[str, int] = {}
 
-    def leave(why: str) -> None:
-        left[why] = left.get(why, 0) + 1
+    def packed_like(tensor, weight: torch.Tensor) -> PackedWeight | str:
+        """The GGUF tensor's blocks as a packed weight equal to `weight`, or why not."""
+        kind = tensor.tensor_type.name
+        if kind not in _BLOCK_BYTES:
+            return f"{kind}: dequantized, no exact conversion here"
+        order = _row_order(processor, tensor.name, weight.shape[0], mapping)
+        if order is None:
+            return "its GGUF rows are transformed, not only reordered"
+        packed = packed_from_blocks(kind, np.asarray(tensor.data)[order], *weight.shape)
+        if not torch.equal(_values(packed), weight.detach().float()):
+            return f"{kind} blocks differ from the loaded weight"
+        return packed
 
     for name, m in linear_layers(model):
         tensor = by_hf.get(f"{name}.weight")
         if tensor is None and embed is not None and m.weight is embed.weight:
             tensor = by_hf.get(embed_name)  # a tied head: the embedding's blocks
-        if tensor is None:
-            leave("no GGUF tensor found for it")
-            continue
-        kind = tensor.tensor_type.name
-        if kind not in _BLOCK_BYTES:
-            leave(f"{kind}: dequantized, no exact conversion here")
-            continue
-        order = _row_order(processor, tensor.name, m.out_features, mapping)
-        if order is None:
-            leave("its GGUF rows are transformed, not only reordered")
-            continue
-        raw = np.asarray(tensor.data)[order]
-        packed = packed_from_blocks(kind, raw, m.out_features, m.in_features)
-        if not torch.equal(_values(packed), m.weight.detach().float()):
-            leave(f"{kind} blocks differ from the loaded weight")
+        packed = packed_like(tensor, m.weight) if tensor is not None else "no GGUF tensor found for it"
+        if isinstance(packed, str):
+            left[packed] = left.get(packed, 0) + 1
             continue
         swapped.append(swap(model, name, m, packed))
-    return record(model, "gguf", swapped, left)
+    embedding = share_tied_table(model, tied)
+    plain = plain_embedding(model) if tied is None else None  # a tied one is packed with its head or not at all
+    if plain is not None and by_hf.get(embed_name) is not None:  # an untied embedding of its own blocks
+        packed = packed_like(by_hf[embed_name], plain.weight)
+        if not isinstance(packed, str):
+            swap_embedding(model, plain, packed)
+            embedding = packed.fmt.source
+    return record(model, "gguf", swapped, left, embedding)

@@ -35,6 +35,7 @@ import torch
 from .. import native, ops
 from ... import context
 from ..quant.linear import QuantLinear
+from . import model_forward
 from .base import Router
 from .fused_layer import FusedLayer, FusedStack, SharedState, step_inputs
 from .linear import LinearPlan, candidates as linear_candidates, routed_codes, shape_of
@@ -280,6 +281,7 @@ class LayerRouter(Router):
         self.plan = plan
         self.linear = linear
         self.modules: list[torch.nn.Module] = []
+        self.decoder: torch.nn.Module | None = None  # the decoder model given the stack's forward
         self.shared = self._new_shared()
 
     def _new_shared(self) -> SharedState:
@@ -300,8 +302,11 @@ class LayerRouter(Router):
             for position, m in enumerate(self.modules):
                 m._contbatch_fused.position = position
             self.shared.stack = FusedStack([m._contbatch_fused for m in self.modules], list(self.modules))
+            self.decoder = model_forward.install(self.model, self.shared, self.modules[0])
 
     def uninstall(self) -> None:
+        model_forward.uninstall(self.decoder)
+        self.decoder = None
         for m in self.modules:
             previous = m.__dict__.pop("_contbatch_fused").previous
             m.__dict__.pop("forward", None)
