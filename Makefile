@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	# Headless Chromium for tests/test_browser.py, from the distribution (Playwright drives it).
 	command -v chromium >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
+	# tcmalloc, which the `contbatch` command preloads (contbatch_launcher); without it, glibc's malloc.
+	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || (DEBIAN_FRONTEND=noninteractive apt-get install \
+		-y -qq libtcmalloc-minimal4 >/dev/null 2>&1 || echo "tcmalloc not installed: contbatch runs on glibc's malloc")
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, from the local CPU wheel, so no dependency can pull another build.
 	$(PY) -m pip install -q torch==2.13.0

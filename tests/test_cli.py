@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from contbatch.cli import main
 
 
@@ -70,3 +72,34 @@ def test_generate_sampling_top_p_and_stop_flags(tmp_path, capsys, default_model,
     stopped = _run(tmp_path, "stopped", "--stop", "Paris", "--stop", "never-there")
     assert stopped["text"] == "The capital of France is " and stopped["finish_reason"] == "stop"
     assert len(stopped["generated_tokens"]) < len(greedy["generated_tokens"])
+
+
+def test_the_command_preloads_tcmalloc_where_the_machine_has_it(tmp_path, monkeypatch):
+    """`contbatch` re-executes itself once with tcmalloc preloaded (contbatch_launcher), unless
+    CONTBATCH_MALLOC=system or it is preloaded already; the allocator is logged at start-up."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import contbatch_launcher as launcher
+
+    library = launcher.find_tcmalloc()
+    assert launcher.preload_env({"CONTBATCH_MALLOC": "system"}) is None
+    assert launcher.preload_env({"LD_PRELOAD": "/x/libtcmalloc.so.4"}) is None
+    with pytest.raises(SystemExit, match="CONTBATCH_MALLOC"):
+        launcher.preload_env({"CONTBATCH_MALLOC": "jemalloc"})
+    env = launcher.preload_env({"LD_PRELOAD": "/x/libother.so"})
+    if library is None:
+        assert env is None
+        pytest.skip("no tcmalloc on this machine: the command runs on glibc's malloc")
+    assert env["LD_PRELOAD"] == f"{library} /x/libother.so" and launcher.preload_env(env) is None
+    command = Path(sys.executable).parent / "contbatch"
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    args = [str(command), "--log-level", "info", "generate", "--model", str(tmp_path / "none"), "--input",
+            str(tmp_path / "in.jsonl")]
+    for choice, expected in (("auto", "tcmalloc"), ("system", "glibc malloc")):
+        run = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "CONTBATCH_MALLOC": choice, "LD_PRELOAD": ""})
+        assert run.returncode == 2 and "not a local model folder" in run.stderr, run.stderr
+        assert f"memory allocator {expected}" in run.stderr, run.stderr

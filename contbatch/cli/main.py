@@ -52,11 +52,24 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return cmd_bench_serve(args)
 
 
+def allocator() -> str:
+    """Which malloc this process runs on: tcmalloc where the `contbatch` command preloaded it
+    (contbatch_launcher), else the C library's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            if "tcmalloc" in maps.read():
+                return "tcmalloc (preloaded; CONTBATCH_MALLOC=system keeps glibc's)"
+    except OSError:
+        pass
+    return "glibc malloc"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what each tensor-parallel rank runs again
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("contbatch").info("contbatch: memory allocator %s", allocator())
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
