@@ -1,4 +1,5 @@
-"""Where the peers and the models they share live (standard library only: a leaf).
+"""Where the peers and the models they share live (the standard library and contbatch_launcher's
+library search only: a leaf).
 
 Everything is under one work folder: `$CONTBATCH_PEERS` if set, else `benchmarks/peers/.work`
 (git-ignored). Nothing here creates anything; `setup_peers.py` writes, the benchmarks read.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from contbatch_launcher import find_tcmalloc
 
 PEERS_ENV = "CONTBATCH_PEERS"
 HERE = Path(__file__).resolve().parent
@@ -64,17 +67,11 @@ def setup_record() -> Path:
     return work_dir() / "setup.json"
 
 
-TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-
-
 def tcmalloc() -> Path | None:
-    """The system's tcmalloc (Debian `libgoogle-perftools4` / `libtcmalloc-minimal4`), if any."""
-    for d in LIB_DIRS:
-        for name in TCMALLOC_NAMES:
-            if (Path(d) / name).is_file():
-                return Path(d) / name
-    return None
+    """The system's tcmalloc (Debian `libgoogle-perftools4` / `libtcmalloc-minimal4`), if any:
+    the library the `contbatch` command preloads, found by the same search."""
+    found = find_tcmalloc()
+    return None if found is None else Path(found)
 
 
 def iomp() -> Path | None:
