@@ -10,8 +10,8 @@ packed table, `cpu/quant/embedding.py`; a tied one shares the head's):
 - Q4_0 (fp16 d, 16 bytes of nibbles): int4, scale d, min -8 d (w = (q - 8) d exactly).
 - Q4_1 (fp16 d, fp16 m, 16 bytes): int4, scale d, min m.
 
-The nibble bytes are ggml's order, which is ours (cpu/quant/format.py). fp16 to float32 is
-exact, and the dequantized values are those transformers computed, so every swapped layer is
+The nibble bytes are ggml's order, and the fp16 fields are kept as they are (cpu/quant/format.py).
+fp16 to float32 is exact, and the dequantized values are those transformers computed, so every swapped layer is
 checked against the float weight it replaces, bit for bit, before it is kept: a layer that
 differs (a name mapping or row order this code did not foresee) stays float and is counted.
 Rows of q/k that transformers reorders for the rotary layout (its tensor processor) are
@@ -40,8 +40,8 @@ _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def _fp16(raw: np.ndarray, at: int) -> torch.Tensor:
-    """The fp16 field at byte `at` of every block ([rows, blocks, bytes]) as float32 [rows, blocks]."""
-    return torch.from_numpy(np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+    """The fp16 field at byte `at` of every block ([rows, blocks, bytes]), float16 [rows, blocks]."""
+    return torch.from_numpy(np.ascontiguousarray(np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0]))
 
 
 def packed_from_blocks(kind: str, raw: np.ndarray, out: int, inp: int) -> PackedWeight:
@@ -56,7 +56,9 @@ def packed_from_blocks(kind: str, raw: np.ndarray, out: int, inp: int) -> Packed
         codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out, inp))
         return PackedWeight(QuantFormat(8, BLOCK, kind), codes.contiguous(), d, None, out, inp)
     nibbles = blocks[..., 2:] if kind == "Q4_0" else blocks[..., 4:]
-    mins = -8 * d if kind == "Q4_0" else _fp16(blocks, 2)
+    # -8 d is exact in fp16 (a power of two) unless |d| > 8188 overflows it: then the values
+    # differ from the file's and the caller's bit-for-bit check keeps the layer float
+    mins = (-8 * d.float()).half() if kind == "Q4_0" else _fp16(blocks, 2)
     codes = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(out, inp // 2))
     return PackedWeight(QuantFormat(4, BLOCK, kind), codes, d, mins, out, inp)
 

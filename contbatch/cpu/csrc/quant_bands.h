@@ -1,16 +1,20 @@
-// The register kernels of quant_linear_cpu.cpp (included there only): a packed weight's
-// layout (`Packed`), each block's 32 weights rebuilt in registers (`block_vec`, AVX-512 or AVX2,
-// or `block_scalar`), and the bands of output features against one to seven rows of x
-// (`band<R>`, picked by `pick`). The file comment of quant_linear_cpu.cpp says what each path
-// computes and why.
+// The register kernels of quant_linear_cpu.cpp (included there only): a packed weight's layout
+// (`Packed`), its fp16 scales and mins widened to float32 a piece of rows at a time (`in_pieces`),
+// each block's 32 weights rebuilt in registers (`block_vec`, AVX-512 or AVX2, or `block_scalar`),
+// the bands of output features against one to seven rows of x (`band<R>`, picked by `pick`).
+// quant_linear_cpu.cpp's file comment says what each path computes and why.
 
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "vec.h"
+#if defined(__F16C__) && !defined(__AVX512F__) && !defined(CONTBATCH_VEC_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace contbatch_quant {
 
@@ -21,22 +25,72 @@ constexpr int64_t kBlock = 32;
 
 struct Packed {
   const uint8_t* codes;  // int8 or packed int4 bytes
-  const float* scales;
-  const float* mins;  // int4 only
+  const at::Half* scales;
+  const at::Half* mins;  // int4 only
   int64_t in, group, bits, out;
+  // float32 copies of the scales (and mins) of rows [f0, ...) that the kernels read (in_pieces)
+  const float* fscales = nullptr;
+  const float* fmins = nullptr;
+  int64_t f0 = 0, fstride = 0;  // first row, fields a row
   int64_t row_bytes() const { return bits == 8 ? in : in / 2; }
   int64_t groups() const { return in / group; }
+  float scale(int64_t o, int64_t g) const { return fscales[(o - f0) * fstride + g]; }
+  float min(int64_t o, int64_t g) const { return fmins[(o - f0) * fstride + g]; }
 };
+
+// n fp16 values from src as float32 into dst (which has room for n rounded up to 16).
+inline void widen_halves(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; i < n; i += 16) {  // the last sixteen read under a mask, stored whole
+    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src + i)));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Rows widened at once: most bands are one piece (the decode kernels' O streams then run the
+// band's length, as the prefetcher wants), an LM head a few; at most 1 MiB of float32 fields.
+constexpr int64_t kPieceRows = 2048, kPieceFields = 1 << 18;
+
+// Calls fn(q, b0, b1) for pieces [b0, b1) of rows [begin, end), q being p with the piece's
+// scales and mins widened to float32 in the calling thread's buffer, sixteen to an instruction:
+// converting a field per block of 32 weights, or a few rows' fields just before reading them,
+// cost the int4 decode kernels a tenth to a sixth of their time.
+template <typename Fn>
+void in_pieces(const Packed& p, int64_t begin, int64_t end, Fn&& fn) {
+  static thread_local std::vector<float> buffer;
+  const int64_t groups = p.groups(), rows = std::clamp<int64_t>(kPieceFields / groups, 1, kPieceRows);
+  const int64_t span = rows * groups + 16;  // room for widen_halves' last sixteen
+  if (static_cast<int64_t>(buffer.size()) < 2 * span) buffer.resize(2 * span);
+  for (int64_t b0 = begin; b0 < end; b0 += rows) {
+    const int64_t b1 = std::min(end, b0 + rows);
+    Packed q = p;
+    q.f0 = b0;
+    q.fstride = groups;
+    q.fscales = buffer.data();
+    widen_halves(p.scales + b0 * groups, (b1 - b0) * groups, buffer.data());
+    if (p.bits == 4) {
+      q.fmins = buffer.data() + span;
+      widen_halves(p.mins + b0 * groups, (b1 - b0) * groups, buffer.data() + span);
+    }
+    fn(q, b0, b1);
+  }
+}
 
 // The 32 dequantized weights of block `b` of output row `o`, into w[0..31].
 inline void block_scalar(const Packed& p, int64_t o, int64_t b, float* w) {
   const int64_t g = b * kBlock / p.group;
-  const float s = p.scales[o * p.groups() + g];
+  const float s = p.scale(o, g);
   if (p.bits == 8) {
     const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + o * p.in + b * kBlock;
     for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(c[j]) * s;
   } else {
-    const float m = p.mins[o * p.groups() + g];
+    const float m = p.min(o, g);
     const uint8_t* c = p.codes + o * p.row_bytes() + b * (kBlock / 2);
     for (int j = 0; j < kBlock / 2; ++j) {
       w[j] = static_cast<float>(c[j] & 0x0F) * s + m;
@@ -49,7 +103,7 @@ inline void block_scalar(const Packed& p, int64_t o, int64_t b, float* w) {
 // Block b of row o as two 16-lane vectors (inputs 0-15, 16-31).
 inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512& hi) {
   const int64_t g = b * kBlock / p.group;
-  const __m512 s = _mm512_set1_ps(p.scales[o * p.groups() + g]);
+  const __m512 s = _mm512_set1_ps(p.scale(o, g));
   if (p.bits == 8) {
     const uint8_t* c = p.codes + o * p.in + b * kBlock;
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
@@ -61,7 +115,7 @@ inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512&
     // looked up by code (the permute reads each lane's low four bits): the same values as
     // converting and scaling every code, in two operations per sixteen weights fewer.
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes, s), _mm512_set1_ps(p.mins[o * p.groups() + g]));
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes, s), _mm512_set1_ps(p.min(o, g)));
     const __m512i bytes = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16)));
     lo = _mm512_permutexvar_ps(bytes, table);
@@ -100,7 +154,7 @@ void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, 
     }
 #pragma GCC unroll 4
     for (int q = 0; q < O; ++q) {
-      const __m512 scale = _mm512_set1_ps(p.scales[(o0 + q * stride) * groups + g]);
+      const __m512 scale = _mm512_set1_ps(p.scale(o0 + q * stride, g));
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r)
         acc[q][r] = _mm512_fmadd_ps(_mm512_add_ps(t[q][r][0], t[q][r][1]), scale, acc[q][r]);
@@ -160,7 +214,7 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 // Block b of row o as four 8-lane vectors (inputs 0-7, 8-15, 16-23, 24-31).
 inline void block_vec(const Packed& p, int64_t o, int64_t b, __m256 (&w)[4]) {
   const int64_t g = b * kBlock / p.group;
-  const __m256 s = _mm256_set1_ps(p.scales[o * p.groups() + g]);
+  const __m256 s = _mm256_set1_ps(p.scale(o, g));
   if (p.bits == 8) {
     const uint8_t* c = p.codes + o * p.in + b * kBlock;
 #pragma GCC unroll 4
@@ -169,7 +223,7 @@ inline void block_vec(const Packed& p, int64_t o, int64_t b, __m256 (&w)[4]) {
       w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s);
     }
   } else {
-    const __m256 m = _mm256_set1_ps(p.mins[o * p.groups() + g]);
+    const __m256 m = _mm256_set1_ps(p.min(o, g));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
@@ -245,7 +299,7 @@ void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, 
     }
 #pragma GCC unroll 4
     for (int q = 0; q < O; ++q) {
-      const __m256 scale = _mm256_set1_ps(p.scales[(o0 + q * stride) * groups + g]);
+      const __m256 scale = _mm256_set1_ps(p.scale(o0 + q * stride, g));
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r)
         acc[q][r] = _mm256_fmadd_ps(_mm256_add_ps(t[q][r][0], t[q][r][1]), scale, acc[q][r]);
@@ -284,8 +338,8 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 // stretch of the band (int4 weights the same way through exact_outputs, with AVX-512); the
 // rest take the exact kernel.
 template <int R>
-void band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
-          int64_t end) {
+void piece(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+           int64_t end) {
 #if defined(CONTBATCH_VEC_AVX2) || (defined(__AVX512F__) && defined(__AVX512BW__))
   if constexpr (R <= 2) {
     if (p.bits == 8) {
@@ -307,6 +361,12 @@ void band(const Packed& p, const float* x, const float* bias, float* y, int64_t 
   exact_band<R>(p, x, bias, y, out_stride, begin, end);
 }
 
+template <int R>
+void band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
+          int64_t end) {
+  in_pieces(p, begin, end, [&](const Packed& q, int64_t b0, int64_t b1) { piece<R>(q, x, bias, y, out_stride, b0, b1); });
+}
+
 using BandFn = void (*)(const Packed&, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
 inline BandFn pick(int64_t rows) {
@@ -314,21 +374,27 @@ inline BandFn pick(int64_t rows) {
   return table[rows - 1];
 }
 
-// Block b of row o dequantized into w[0..31]: the vector kernels' values (the same product
-// and sum, one rounding each), stored.
-inline void block_store(const Packed& p, int64_t o, int64_t b, float* w) {
+// Rows [begin, end) dequantized into w (float32 [end - begin, in]): the vector kernels' values
+// (the same product and sum, one rounding each), stored.
+inline void store_rows(const Packed& packed, int64_t begin, int64_t end, float* w) {
+  in_pieces(packed, begin, end, [&](const Packed& p, int64_t b0, int64_t b1) {
+    for (int64_t o = b0; o < b1; ++o)
+      for (int64_t b = 0; b < p.in / kBlock; ++b) {
+        float* out = w + (o - begin) * p.in + b * kBlock;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 lo, hi;
-  block_vec(p, o, b, lo, hi);
-  _mm512_storeu_ps(w, lo);
-  _mm512_storeu_ps(w + 16, hi);
+        __m512 lo, hi;
+        block_vec(p, o, b, lo, hi);
+        _mm512_storeu_ps(out, lo);
+        _mm512_storeu_ps(out + 16, hi);
 #elif defined(CONTBATCH_VEC_AVX2)
-  __m256 v[4];
-  block_vec(p, o, b, v);
-  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, v[k]);
+        __m256 v[4];
+        block_vec(p, o, b, v);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, v[k]);
 #else
-  block_scalar(p, o, b, w);
+        block_scalar(p, o, b, out);
 #endif
+      }
+  });
 }
 
 }  // namespace contbatch_quant

@@ -1,12 +1,13 @@
 // Weight-only quantized linear layers: y = x W^T + b, W stored as int8 or int4 codes with a
-// float32 scale (and, for int4, a float32 min) per group of `group` consecutive inputs.
+// fp16 scale (and, for int4, an fp16 min) per group of `group` consecutive inputs.
 //
 // The layout (cpu/quant/format.py is its Python side, and the reason for it):
 //   int8: codes int8 [O, I], w = code * scale
 //   int4: codes uint8 [O, I / 2]; within each block of 32 inputs, byte j (0..15) holds input j
 //         in its low nibble and input j + 16 in its high one (ggml's Q4_0/Q4_1 block order, so
 //         GGUF blocks are copied in as they are); w = code * scale + min
-//   scales, mins: float32 [O, I / group]; group is a multiple of 32 dividing I.
+//   scales, mins: float16 [O, I / group] (ggml's block fields as they are); group is a multiple
+//         of 32 dividing I.
 // Every weight is rebuilt in registers as the dequantized float32 value exactly (one rounded
 // product, then one rounded sum: the library is built with -ffp-contract=off), so the output
 // differs from F.linear on the dequantized weight by the summation order only; except one or
@@ -53,32 +54,31 @@ Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optio
   const int64_t out = codes.size(0), in = bits == 8 ? codes.size(1) : codes.size(1) * 2;
   TORCH_CHECK(group > 0 && group % kBlock == 0 && in % group == 0, op, ": the group (", group,
               ") must be a multiple of 32 dividing the inputs (", in, ")");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == out && scales.size(1) == in / group,
-              op, ": float32 scales [out, in / group]");
+              op, ": float16 scales [out, in / group]");
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK(has_mins == (bits == 4), op, ": int4 weights take mins, int8 ones none");
   if (has_mins) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(), op,
-                ": float32 mins shaped as the scales");
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(), op,
+                ": float16 mins shaped as the scales");
   }
   return Packed{static_cast<const uint8_t*>(codes.data_ptr()),
-                scales.data_ptr<float>(), has_mins ? mins->data_ptr<float>() : nullptr, in, group, bits, out};
+                scales.data_ptr<at::Half>(), has_mins ? mins->data_ptr<at::Half>() : nullptr, in, group, bits, out};
 }
 
 
 // Output rows [begin, end) dequantized into tile (float32 [end - begin, I]).
 void dequantize_rows(const Packed& p, int64_t begin, int64_t end, float* tile) {
   at::parallel_for(begin, end, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t o = lo; o < hi; ++o)
-      for (int64_t b = 0; b < p.in / kBlock; ++b) block_store(p, o, b, tile + (o - begin) * p.in + b * kBlock);
+    store_rows(p, lo, hi, tile + (lo - begin) * p.in);
   });
 }
 
 at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                             int64_t bits, int64_t group) {
   const Packed p = check(codes, scales, mins, bits, group, "quant_dequantize");
-  at::Tensor w = at::empty({codes.size(0), p.in}, scales.options());
+  at::Tensor w = at::empty({codes.size(0), p.in}, scales.options().dtype(at::kFloat));
   dequantize_rows(p, 0, codes.size(0), w.data_ptr<float>());
   return w;
 }

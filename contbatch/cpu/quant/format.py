@@ -9,11 +9,16 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
   in its low nibble and input j + 16 in its high one: ggml's Q4_0/Q4_1 block order, so GGUF
   blocks are copied as they are. w = code * scale + min, code 0..15 (asymmetric, as Q4_1; Q4_0's
   w = (code - 8) * d is min = -8 d, the same value exactly).
-- `scales` (and int4's `mins`): float32 [out, in / group], group a multiple of 32 dividing `in`.
+- `scales` (and int4's `mins`): float16 [out, in / group], group a multiple of 32 dividing `in`.
+  fp16 because ggml's blocks carry fp16 fields (a GGUF file's scales are kept as they are, and
+  the resident weights stay the file's size: Q4_1 is 20 bytes a block of 32 here as there);
+  quantizing here rounds each scale and min to fp16 first and computes the codes from the
+  rounded values, so a weight's error grows by at most fp16's precision (2^-11 of the group's
+  largest magnitude) over round-to-nearest's half a step.
 
-The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), each
-step rounded: the kernel rebuilds exactly these values, and the exactness tests compare
-against `F.linear` on them.
+The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), the
+fp16 fields widened to float32 exactly and each step rounded: the kernel rebuilds exactly
+these values, and the exactness tests compare against `F.linear` on them.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class QuantFormat:
 
 @dataclass
 class PackedWeight:
-    """A quantized weight in the packed format: codes, scales and (int4) mins, CPU tensors."""
+    """A quantized weight in the packed format: codes, fp16 scales and (int4) mins, CPU tensors."""
 
     fmt: QuantFormat
     codes: torch.Tensor
@@ -61,12 +66,12 @@ class PackedWeight:
         dtype = torch.int8 if f.bits == 8 else torch.uint8
         if tuple(self.codes.shape) != want or self.codes.dtype != dtype:
             raise ValueError(f"{f.bits}-bit codes must be {dtype} {want}, got {self.codes.dtype} {tuple(self.codes.shape)}")
-        if tuple(self.scales.shape) != (o, i // f.group) or self.scales.dtype != torch.float32:
-            raise ValueError(f"scales must be float32 {(o, i // f.group)}, got {self.scales.dtype} {tuple(self.scales.shape)}")
+        if tuple(self.scales.shape) != (o, i // f.group) or self.scales.dtype != torch.float16:
+            raise ValueError(f"scales must be float16 {(o, i // f.group)}, got {self.scales.dtype} {tuple(self.scales.shape)}")
         if (self.mins is not None) != (f.bits == 4):
             raise ValueError("int4 weights have mins, int8 ones none")
-        if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != torch.float32):
-            raise ValueError("mins must be float32, shaped as the scales")
+        if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != torch.float16):
+            raise ValueError("mins must be float16, shaped as the scales")
 
     @property
     def nbytes(self) -> int:
@@ -95,9 +100,9 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
     """float32 [out, in]: the weight's defined values (see the module docstring), in PyTorch;
     the C++ library's `quant_dequantize` computes the same values faster."""
     q = unpack_codes(w.codes, w.fmt.bits).to(torch.float32).reshape(w.out_features, -1, w.fmt.group)
-    values = q * w.scales.unsqueeze(-1)
+    values = q * w.scales.float().unsqueeze(-1)
     if w.mins is not None:
-        values = values + w.mins.unsqueeze(-1)
+        values = values + w.mins.float().unsqueeze(-1)
     return values.reshape(w.out_features, w.in_features)
 
 
@@ -106,7 +111,9 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
 
     int8: symmetric, scale = max|w| / 127 per group, codes in -127..127. int4: asymmetric per
     group, min = the group's minimum, scale = (max - min) / 15, codes round((w - min) / scale)
-    clamped to 0..15 (an all-equal group gets scale 0 and is represented exactly by its min)."""
+    clamped to 0..15 (an all-equal group gets scale 0 and is represented by its min). Scales and
+    mins are rounded to fp16 before the codes are computed from them; a weight beyond fp16's
+    range is refused."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize takes a floating-point weight [out, in], got {weight.dtype} {tuple(weight.shape)}")
     out, inp = weight.shape
@@ -115,16 +122,23 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
     w = weight.detach().to("cpu", torch.float32).reshape(out, inp // fmt.group, fmt.group)
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantize a weight holding NaN or infinity")
+    if w.abs().max() > torch.finfo(torch.float16).max:
+        raise ValueError("cannot quantize a weight beyond float16's range (its scales are fp16)")
     if fmt.bits == 8:
-        scales = w.abs().amax(dim=-1) / 127
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scales = _fp16(w.abs().amax(dim=-1) / 127)
+        safe = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
         codes = torch.round(w / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).reshape(out, inp)
-        return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), None, out, inp)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = (hi - lo) / 15
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round((w - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15).reshape(out, inp)
-    return PackedWeight(fmt, pack_int4(q), scales.contiguous(), lo.contiguous(), out, inp)
+        return PackedWeight(fmt, codes.contiguous(), scales, None, out, inp)
+    lo = _fp16(w.amin(dim=-1))
+    scales = _fp16((w.amax(dim=-1) - lo.float()) / 15)
+    safe = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
+    q = torch.round((w - lo.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15).reshape(out, inp)
+    return PackedWeight(fmt, pack_int4(q), scales, lo, out, inp)
+
+
+def _fp16(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to the nearest fp16, contiguous."""
+    return values.to(torch.float16).contiguous()
 
 
 def format_for(name: str, in_features: int) -> QuantFormat:
