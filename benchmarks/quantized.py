@@ -30,15 +30,11 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from transformers import GenerationConfig
 from contbatch import ContinuousBatchingConfig, continuous_batching, load_model
-from contbatch.cpu.quant.linear import QuantLinear
 from harness.children import emit
+from quantized import decode_read_bytes
 system, new, streams = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model, tok = load_model(quantization=None if system == "float32" else system)
-embed = model.get_input_embeddings().weight
-packed = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
-floats = sum(p.numel() * p.element_size() for p in model.parameters())
-tied_float_head = type(model.get_output_embeddings()) is torch.nn.Linear
-read = packed + floats - (0 if tied_float_head else embed.numel() * embed.element_size())
+read = decode_read_bytes(model)
 prompt = tok.encode("Tell me a story about a lighthouse keeper.")
 gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
 config = ContinuousBatchingConfig(max_prompt_length=64, max_generated_length=new, max_requests_per_batch=max(streams, 1))
@@ -53,6 +49,23 @@ with continuous_batching(model, gc, config) as manager:  # started once: only th
     many = timed([prompt[: 4 + i % 7] for i in range(streams)])
 emit({"single": single, "streams": many, "read_bytes": read})
 """
+
+
+def decode_read_bytes(model) -> int:
+    """The weight bytes one decode token reads: every packed linear (codes, scales, mins) and
+    float parameter, less a float embedding table (a token reads one row of it) unless a float
+    head shares it. A packed table is held in buffers and read only as the head that shares it."""
+    import torch
+
+    from contbatch.cpu.quant.linear import QuantLinear
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = embed.weight if type(embed) is torch.nn.Embedding else None
+    if table is None or (type(head) is torch.nn.Linear and head.weight is table):
+        return packed + floats
+    return packed + floats - table.numel() * table.element_size()
 
 
 def main() -> None:
