@@ -101,6 +101,8 @@ def test_bad_input_is_refused():
         quantize(torch.randn(8, 96), format_for("int4-g128", 96))
     with pytest.raises(ValueError, match="NaN"):
         quantize(torch.full((4, 32), float("nan")), format_for("int8", 32))
+    with pytest.raises(ValueError, match="float16's range"):
+        quantize(torch.full((4, 32), 1e6), format_for("int4", 32))
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(make_tiny_model("llama"), "int3")
 

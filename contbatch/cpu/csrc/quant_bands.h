@@ -60,7 +60,7 @@ constexpr int64_t kPieceRows = 2048, kPieceFields = 1 << 18;
 // Calls fn(q, b0, b1) for pieces [b0, b1) of rows [begin, end), q being p with the piece's
 // scales and mins widened to float32 in the calling thread's buffer, sixteen to an instruction:
 // converting a field per block of 32 weights, or a few rows' fields just before reading them,
-// cost the int4 decode kernels a tenth to a sixth of their time.
+// slowed the int4 decode kernels measurably (docs/cpu.md).
 template <typename Fn>
 void in_pieces(const Packed& p, int64_t begin, int64_t end, Fn&& fn) {
   static thread_local std::vector<float> buffer;
