@@ -39,7 +39,7 @@ config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None
 start = time.perf_counter()
 out = generate_batch(model, inputs, config, progress_bar=False)
 job = time.perf_counter() - start
-tokens = sum(len(r.generated_tokens) for r in (out.values() if isinstance(out, dict) else out))
+tokens = sum(len(r.generated_tokens) for r in out.values())
 emit({"load_s": loaded, "job_s": job, "tok_s": tokens / job})
 """
 
