@@ -75,6 +75,13 @@ def test_llama_server_command_needs_its_gguf_and_sizes_context_per_slot(work):
     assert argv[argv.index("-c") + 1] == str(8 * knobs.MAX_MODEL_LEN) and argv[argv.index("-t") + 1] == "2"
     with pytest.raises(ValueError, match="quant"):
         servers.command("llamacpp", "smollm2-135m", "bfloat16", {}, 8124)
+    bf16 = paths.gguf_path("smollm2-135m", "BF16")
+    bf16.write_bytes(b"GGUF")  # a bfloat16 run names the file's type: its BF16 GGUF
+    server = paths.llama_bin("llama-server")
+    server.parent.mkdir(parents=True)
+    server.write_bytes(b"")
+    argv, _ = servers.command("llamacpp", "smollm2-135m", "bfloat16", {"quant": "BF16"}, 8124)
+    assert argv[argv.index("-m") + 1] == str(bf16)
 
 
 def test_contbatch_quant_knob_serves_the_same_gguf_or_quantizes_at_load(work):

@@ -92,8 +92,9 @@ def command(system: str, model_name: str, dtype: str, setting: dict, port: int) 
         if not paths.venv_python().is_file():
             raise PeerError("vLLM is not set up: run `make bench-peers`")
         return knobs.vllm_serve_argv(folder, dtype, setting, port, model_name), knobs.vllm_env(setting)
-    if dtype != "float32":
-        raise ValueError("llama.cpp runs the GGUF's own type: pick it with quant=..., and dtype float32")
+    if dtype != "float32" and not setting.get("quant"):  # its type is the file's: say which with quant=
+        raise ValueError(f"llama.cpp runs the GGUF's own type: beside --dtype {dtype}, name it with quant=... "
+                         "(e.g. quant=BF16)")
     if not paths.llama_bin("llama-server").is_file():
         raise PeerError("llama-server is not built: run `make bench-peers`")
     return knobs.llama_server_argv(model_name, setting, port, model_name), {}
