@@ -209,9 +209,10 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
 
     # Other engines (launched vLLM / llama.cpp) are posted with their text check shown: their
     # kernels (and llama.cpp's quant types) are not ours to hold to `generate`'s text; nor is a
-    # quantized contbatch (the float32 model is the reference here; the test suite holds it to
-    # `generate` on its dequantized weights).
-    external = {label for label, srv in launched.items() if srv.system != "contbatch" or srv.setting.get("quant")}
+    # quantized contbatch, nor one in bfloat16 (the float32 model is the reference here; the test
+    # suite holds contbatch to `generate` on its dequantized weights, and in float32).
+    external = {label for label, srv in launched.items()
+                if srv.system != "contbatch" or srv.setting.get("quant") or args.dtype != "float32"}
     exact = {n: checks[n].get("mismatch", 0) == 0 or n in external for n in servers}
     body, rows = [], []
     levels = serve_launch.level_names(plan) if plan is not None else [ld.label() for ld in loads]
