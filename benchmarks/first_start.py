@@ -55,11 +55,10 @@ def fresh_cache(parent: Path) -> Path:
 
 
 def model_path(name: str) -> str:
-    if name == "default":
-        return "default"
+    """The child's model argument: a peer model's folder, a path, or "default" (the embedded one)."""
     from peers import paths
 
-    return str(paths.model_dir(name))
+    return str(paths.resolve_model(name) or "default")
 
 
 def main() -> None:
