@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 
 import psutil
 import torch
 
+from .. import hugepages
 from ..config import DEFAULT_CPU_MAX_MEMORY_PERCENT, DEFAULT_MAX_MEMORY_PERCENT, MIN_BLOCK_SIZE
 from ..cpu import ops as cpu_ops
 from .block_manager import BlockManager, blocks_for
@@ -28,7 +28,6 @@ from .layout import KVLayout
 logger = logging.getLogger("contbatch")
 
 RESERVED_BLOCKS = 2
-HUGE_PAGE = 2 * 2**20
 
 
 def solve_num_blocks(
@@ -208,8 +207,8 @@ class PagedAttentionCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor. On the CPU: an anonymous mapping, which the OS hands out as zero
-    pages on first touch, advised for 2 MiB pages where the OS has them.
+    """A zeroed cache tensor. On the CPU: a private anonymous mapping, which the OS hands out as
+    zero pages on first touch, advised for 2 MiB pages where the OS has them (`hugepages.py`).
 
     `torch.zeros` wrote every byte at start-up: a lone request's manager, whose cache is sized
     to a share of RAM, spent seconds zeroing gigabytes it never used. Here memory is touched
@@ -218,12 +217,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     writes land on random pages; huge pages made decoding faster (figures in docs/cpu.md)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE:
+    if device.type != "cpu" or nbytes < hugepages.HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buffer = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # transparent huge pages off: ordinary pages
-            pass
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor holds the mapping
+    buffer, start = hugepages.zeroed_buffer(nbytes)  # zero-filled by the OS
+    return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start).view(shape)  # the tensor holds the mapping

@@ -37,72 +37,113 @@ inline void store(W* y, int64_t r, int64_t o, int64_t out_stride, float sum, con
 }
 
 #ifdef CONTBATCH_AVX512
-// Output features [begin, end) against all R rows of x (float32, [R, I]): each weight row is
-// loaded once, 32 values at a time, into two accumulators per input row (two independent
-// FMA chains); the last in % 32 values are summed one by one.
-template <int R, typename W>
-void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
-          int64_t out_stride) {
-  for (int64_t o = begin; o < end; ++o) {
-    __m512 a[R][2];
+// O output features `stride` apart (o0, o0 + stride, ...) against all R rows of x (float32,
+// [R, I]): each weight row is loaded once, 32 values at a time, into two accumulators per input
+// row (two independent FMA chains); the last in % 32 values are summed one by one. An output's
+// sum is the same whatever O is (its own accumulators, in the same order), so the streams
+// change how the weight is read, never a value.
+template <int R, int O, typename W>
+void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t o0, int64_t stride,
+             int64_t out_stride) {
+  __m512 a[O][R][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    const W* wr = w + o * in;
-    int64_t i = 0;
-    for (; i + 32 <= in; i += 32) {
+  for (int q = 0; q < O; ++q)
+    for (int r = 0; r < R; ++r) a[q][r][0] = a[q][r][1] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= in; i += 32) {
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      const W* wr = w + (o0 + q * stride) * in;
       const __m512 v0 = load16(wr + i), v1 = load16(wr + i + 16);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        a[r][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + r * in + i), a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + r * in + i + 16), a[r][1]);
+        a[q][r][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + r * in + i), a[q][r][0]);
+        a[q][r][1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + r * in + i + 16), a[q][r][1]);
       }
     }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q) {
+    const int64_t o = o0 + q * stride;
+    const W* wr = w + o * in;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(a[q][r][0], a[q][r][1]));
       for (int64_t j = i; j < in; ++j) sum += widen(wr[j]) * x[r * in + j];
       store(y, r, o, out_stride, sum, bias);
     }
   }
+}
+
+// Output features [begin, end): with one or two rows, O = 4 or 2 features at a time, each from
+// its own stretch of the band. One stream of weight rows left the memory reads of a lone
+// request's decode short of the bandwidth that several concurrent streams reach (docs/cpu.md);
+// more rows have the arithmetic of several rows to cover the reads.
+template <int R, typename W>
+void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
+          int64_t out_stride) {
+  constexpr int O = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const int64_t stride = (end - begin) / O;
+  for (int64_t o = begin; o < begin + stride; ++o) outputs<R, O>(x, w, bias, y, in, o, stride, out_stride);
+  for (int64_t o = begin + O * stride; o < end; ++o) outputs<R, 1>(x, w, bias, y, in, o, 0, out_stride);
 }
 #elif defined(CONTBATCH_AVX2)
 // The same on AVX2 (8 values a vector, 16 registers). The portable loop below ran bfloat16
 // weights through a scalar widening and one dependent add chain: on an AVX2-only CPU one
 // row read bfloat16 weights at 10-15 GB/s, no faster than float32 ones of twice the bytes.
 // A = independent FMA chains per input row: four for one row, fewer as rows add chains of
-// their own (and registers run out: A x R accumulators + the weight vectors <= 16).
-// load8 and hsum8 are in vec.h.
-template <int R, typename W>
-void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
-          int64_t out_stride) {
+// their own (and registers run out: O x A x R accumulators + the weight vectors <= 16).
+// O output features `stride` apart, as the AVX-512 outputs above; load8 and hsum8 are in vec.h.
+template <int R, int O, typename W>
+void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t o0, int64_t stride,
+             int64_t out_stride) {
   constexpr int A = R == 1 ? 4 : R <= 3 ? 2 : 1;
-  for (int64_t o = begin; o < end; ++o) {
-    __m256 a[R][A];
+  __m256 a[O][R][A];
 #pragma GCC unroll 8
+  for (int q = 0; q < O; ++q)
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int k = 0; k < A; ++k) a[r][k] = _mm256_setzero_ps();
-    const W* wr = w + o * in;
-    int64_t i = 0;
-    for (; i + 8 * A <= in; i += 8 * A) {
+      for (int k = 0; k < A; ++k) a[q][r][k] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 * A <= in; i += 8 * A) {
+#pragma GCC unroll 4
+    for (int q = 0; q < O; ++q) {
+      const W* wr = w + (o0 + q * stride) * in;
       __m256 v[A];
 #pragma GCC unroll 4
       for (int k = 0; k < A; ++k) v[k] = load8(wr + i + 8 * k);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int k = 0; k < A; ++k) a[r][k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + r * in + i + 8 * k), a[r][k]);
+        for (int k = 0; k < A; ++k)
+          a[q][r][k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + r * in + i + 8 * k), a[q][r][k]);
     }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < O; ++q) {
+    const int64_t o = o0 + q * stride;
+    const W* wr = w + o * in;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m256 t = a[r][0];
+      __m256 t = a[q][r][0];
 #pragma GCC unroll 4
-      for (int k = 1; k < A; ++k) t = _mm256_add_ps(t, a[r][k]);
+      for (int k = 1; k < A; ++k) t = _mm256_add_ps(t, a[q][r][k]);
       float sum = hsum8(t);
       for (int64_t j = i; j < in; ++j) sum += widen(wr[j]) * x[r * in + j];
       store(y, r, o, out_stride, sum, bias);
     }
   }
+}
+
+// Output features [begin, end), one or two rows O = 3 or 2 features at a time (as many
+// streams as the sixteen registers hold beside the accumulators).
+template <int R, typename W>
+void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
+          int64_t out_stride) {
+  constexpr int O = R == 1 ? 3 : R == 2 ? 2 : 1;
+  const int64_t stride = (end - begin) / O;
+  for (int64_t o = begin; o < begin + stride; ++o) outputs<R, O>(x, w, bias, y, in, o, stride, out_stride);
+  for (int64_t o = begin + O * stride; o < end; ++o) outputs<R, 1>(x, w, bias, y, in, o, 0, out_stride);
 }
 #else
 template <int R, typename W>

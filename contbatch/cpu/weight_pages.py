@@ -1,0 +1,86 @@
+"""Weights that every decode step reads whole, moved once into memory on 2 MiB pages.
+
+A lone request's decode step streams each linear weight from memory once (`small_linear`).
+On 4 KiB pages a 1 GB model spans a quarter of a million pages, and the reads of a step keep
+missing the TLB; on 2 MiB pages (the kernel's transparent huge pages, asked for with
+`madvise(MADV_HUGEPAGE)`) the same reads ran at a higher bandwidth (figures in docs/cpu.md).
+The KV cache lives on such pages for the same reason (`cache/paged_cache.py`).
+
+`move_to_huge_pages` copies the given tensors, back to back, into one anonymous mapping advised
+for huge pages, and points each tensor at its copy (`tensor.data = copy`): the modules keep the
+same Parameter objects, so tied weights stay tied, `update_weights` and an optimizer see them,
+and every value is the same bit for bit. Each copy is a storage of its own (exactly the
+tensor's bytes), so checkpoint writers see no shared memory. A tensor is moved once: a second
+manager on the same model finds it moved. Where the OS has no transparent huge pages (off,
+or no madvise), nothing moves and `hugepages.availability()` says why.
+
+Only whole storages move: a tensor that is a view of a larger storage, or whose storage other
+tensors of the model view differently, stays where it is (moving it would split memory that
+the model shares). Code holding a tensor that aliases a moved weight's old storage (a `.data`
+taken earlier) keeps the old values' memory, no longer shared with the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .. import hugepages
+
+ALIGN = 64  # each copy starts on a cache line
+MARK = "_contbatch_huge_page_ptr"  # set on a moved tensor: its copy's address
+
+
+def _cpu_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every CPU parameter and buffer of `model`, a shared one as often as modules hold it."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [t for _, t in named if t is not None and t.device.type == "cpu"]
+
+
+def is_moved(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, MARK, None) == tensor.data_ptr()
+
+
+def movable(tensors: Iterable[torch.Tensor], model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors among `tensors` that `move_to_huge_pages` would move: CPU, contiguous, their
+    storage's only bytes, not yet moved, not inference tensors, and every tensor of `model` on
+    the same storage the same whole view. Each storage once (the first tensor on it)."""
+    views: dict[int, set[tuple]] = {}
+    for t in _cpu_tensors(model):
+        views.setdefault(t.untyped_storage().data_ptr(), set()).add(
+            (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype))
+    out, seen = [], set()
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
+        if (ptr is None or ptr in seen or not t.numel() or t.is_inference() or not t.is_contiguous() or t.storage_offset()
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size() or is_moved(t)
+                or len(views.get(ptr, ())) > 1):
+            continue
+        seen.add(ptr)
+        out.append(t)
+    return out
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor], model: torch.nn.Module) -> int:
+    """Move `movable(tensors, model)` onto huge pages; every tensor of `model` that shares a
+    moved storage is pointed at the copy too. Returns the bytes moved (0 where huge pages are
+    not available)."""
+    todo = movable(tensors, model) if hugepages.availability()[0] else []
+    if not todo:
+        return 0
+    offsets, total = [], 0
+    for t in todo:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buffer, start = hugepages.zeroed_buffer(total)
+    sharers: dict[int, list[torch.Tensor]] = {}
+    for t in _cpu_tensors(model):
+        sharers.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for t, offset in zip(todo, offsets):
+        copy = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=start + offset).view(t.shape)
+        copy.copy_(t.detach())
+        for same in {id(s): s for s in [t, *sharers.get(t.untyped_storage().data_ptr(), [])]}.values():
+            same.data = copy
+            setattr(same, MARK, copy.data_ptr())
+    return total
