@@ -75,10 +75,11 @@ def test_off_plans_pytorch_ops_everywhere_and_says_so(llama_model):
     assert plan.knobs.mode == "off" and not plan.linear.routes_anything and not plan.prefill
     assert plan.norm.classes == () and plan.rotary.modules == () and plan.layer.layers == ()
     assert "as asked" in plan.linear.summary and "as asked" in plan.layer.summary
+    assert not plan.pages.move and plan.pages.nbytes == 0  # no kernel of ours streams a weight
     assert plan.describe().startswith("cpu_kernels=off: prefill_kernel=False; linear: aten (as asked)")
     cpu = r.as_dict()["cpu"]
     json.dumps(cpu)  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
-    assert set(cpu) == {"knobs", "linear", "norm", "rotary", "layer", "prefill"}
+    assert set(cpu) == {"knobs", "linear", "norm", "rotary", "layer", "prefill", "pages"}
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")

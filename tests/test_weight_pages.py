@@ -84,8 +84,8 @@ def test_without_huge_pages_nothing_moves_and_the_plan_says_why(monkeypatch, tmp
     model = make_tiny_model("llama", seed=3)
     before = [p.data_ptr() for p in model.parameters()]
     config = ContinuousBatchingConfig(cpu_kernel_overrides={"linear": "small_linear"})
-    summary = ContinuousBatchingManager(model, config=config).resolved_config.cpu.linear.summary
-    assert "one-row weights on ordinary pages (transparent huge pages are never)" in summary
+    pages = ContinuousBatchingManager(model, config=config).resolved_config.cpu.pages
+    assert pages.summary == "one-row weights on ordinary pages (transparent huge pages are never)" and not pages.move
     assert weight_pages.move_to_huge_pages(list(model.parameters()), model) == 0
     assert [p.data_ptr() for p in model.parameters()] == before
 
@@ -98,8 +98,10 @@ def test_a_manager_moves_the_one_row_weights_and_stays_exact():
     prompts = random_prompts(3, 5, 20, seed=4)
     want = [reference_generate(model, p, 12) for p in prompts]
     manager = ContinuousBatchingManager(model, config=config)
-    summary = manager.resolved_config.cpu.linear.summary
-    assert ("one-row weights on 2 MiB pages" in summary) == available, summary
+    pages = manager.resolved_config.cpu.pages
+    assert pages.move == available and ("on 2 MiB pages" in pages.summary) == available, pages
+    assert pages.nbytes == sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert f"weights: {pages.summary}" in manager.resolved_config.cpu.describe()
     out = generate_batch(model, prompts, GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None),
                          progress_bar=False, config=config)
     assert [out[f"req_{i}"].generated_tokens for i in range(3)] == want
@@ -114,3 +116,22 @@ def test_private_mapping_is_zero_aligned_and_huge_where_available():
     t.fill_(7)
     if hugepages.availability()[0]:
         assert (_huge_kib(t.data_ptr()) or 0) >= 2048  # private memory: shmem_enabled does not apply
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+def test_packed_weights_move_too(tiny_dir):
+    """A quantized model's codes, scales and mins are streamed by its one-row kernels as float
+    weights are: they are planned and moved the same way, values unchanged."""
+    from contbatch import load_model
+    from contbatch.cpu.quant.linear import QuantLinear
+
+    model, _ = load_model(tiny_dir, quantization="int4")
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    codes = [m.codes.clone() for m in packed]
+    pages = ContinuousBatchingManager(model, config=ContinuousBatchingConfig()).resolved_config.cpu.pages
+    assert pages.nbytes >= sum(m.nbytes for m in packed)
+    out = generate_batch(model, [[5, 6, 7, 8]], GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None),
+                         progress_bar=False)
+    assert len(out["req_0"].generated_tokens) == 3
+    assert all(torch.equal(c, m.codes) for c, m in zip(codes, packed))
+    assert all(weight_pages.is_moved(m.codes) for m in packed) == hugepages.availability()[0]

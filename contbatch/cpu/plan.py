@@ -20,9 +20,10 @@ import torch
 
 from .knobs import CpuKnobs
 from .routers.layer import LayerPlan, plan_layer
-from .routers.linear import LinearPlan, plan_linear
+from .routers.linear import LinearPlan, one_row_weights, plan_linear
 from .routers.norm import NormPlan, plan_norm
 from .routers.rotary import RotaryPlan, plan_rotary
+from .weight_pages import PagesPlan, decode_weights, plan_pages
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,15 @@ class CpuPlan:
     rotary: RotaryPlan | None = None  # the modeling files whose rotary runs as one fused call
     layer: LayerPlan | None = None  # the decoder layers run as one call (None: not on the CPU, or not planned)
     prefill: bool = False  # the torch backend's prompt chunks attend in our C++ kernel (else SDPA)
+    pages: PagesPlan | None = None  # the weights a decode step streams, on 2 MiB pages (None: not on the CPU)
 
     def describe(self, prefill: bool = True) -> str:
         """One line for the start-up log; `prefill`: say what the prefill attention runs (on the
         torch backend, the only one with a choice)."""
         parts = [f"prefill_kernel={self.prefill}"] if prefill else []
         parts.append(f"linear: {self.linear.summary}")
-        for name, plan in (("rms_norm", self.norm), ("rotary", self.rotary), ("layer", self.layer)):
+        for name, plan in (("rms_norm", self.norm), ("rotary", self.rotary), ("layer", self.layer),
+                           ("weights", self.pages)):
             if plan is not None:
                 parts.append(f"{name}: {plan.summary}")
         return f"cpu_kernels={self.knobs.describe()}: " + "; ".join(parts)
@@ -55,7 +58,8 @@ def plan_cpu(model: torch.nn.Module, knobs: CpuKnobs, *, prefill: bool = False, 
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
         return CpuPlan(knobs, linear, prefill=prefill)
+    pages = plan_pages(decode_weights(model, one_row_weights(model, linear)))
     norm = plan_norm(model, knobs.norm)
     rotary = plan_rotary(model, knobs.rotary)
     layer = plan_layer(model, knobs.layer, linear, norm, rotary, decode_kernel, eager_paths) if layers else None
-    return CpuPlan(knobs, linear, norm, rotary, layer, prefill)
+    return CpuPlan(knobs, linear, norm, rotary, layer, prefill, pages)

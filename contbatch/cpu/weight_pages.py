@@ -6,7 +6,10 @@ missing the TLB; on 2 MiB pages (the kernel's transparent huge pages, asked for 
 `madvise(MADV_HUGEPAGE)`) the same reads ran at a higher bandwidth (figures in docs/cpu.md).
 The KV cache lives on such pages for the same reason (`cache/paged_cache.py`).
 
-`move_to_huge_pages` copies the given tensors, back to back, into one anonymous mapping advised
+`plan_pages` says, once per manager start, which weights those are and whether they move: the
+weights `small_linear` reads at one row (the linear plan's one-row routes) and every packed
+weight (`cpu/quant`: codes, scales and mins of quantized linears and embeddings, which their
+one-row kernels stream the same way); `CpuRouters.install` moves them. `move_to_huge_pages` copies the given tensors, back to back, into one anonymous mapping advised
 for huge pages, and points each tensor at its copy (`tensor.data = copy`): the modules keep the
 same Parameter objects, so tied weights stay tied, `update_weights` and an optimizer see them,
 and every value is the same bit for bit. Each copy is a storage of its own (exactly the
@@ -23,13 +26,47 @@ taken earlier) keeps the old values' memory, no longer shared with the model.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from .. import hugepages
+from .quant.embedding import QuantEmbedding
+from .quant.linear import QuantLinear
 
 ALIGN = 64  # each copy starts on a cache line
 MARK = "_contbatch_huge_page_ptr"  # set on a moved tensor: its copy's address
+
+
+@dataclass(frozen=True)
+class PagesPlan:
+    """Whether the decode-streamed weights move onto huge pages, and the start-up line's words."""
+
+    move: bool
+    nbytes: int  # bytes of those weights
+    summary: str
+
+
+def decode_weights(model: torch.nn.Module, one_row: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a lone request's decode step streams through our kernels: `one_row` (the
+    weights of the linears whose one-row route is `small_linear`: `routers.linear.one_row_weights`)
+    and every packed weight's buffers."""
+    out = list(one_row)
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            out += [t for t in (m.codes, m.scales, m.mins) if t is not None]
+    return list({id(t): t for t in out}.values())
+
+
+def plan_pages(weights: list[torch.Tensor]) -> PagesPlan:
+    """The plan for `decode_weights(...)`."""
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    if not weights:
+        return PagesPlan(False, 0, "no weights read whole at one row by our kernels")
+    ok, why = hugepages.availability()
+    if not ok:
+        return PagesPlan(False, nbytes, f"one-row weights on ordinary pages ({why})")
+    return PagesPlan(True, nbytes, f"one-row weights on 2 MiB pages ({nbytes / 2**20:.0f} MiB)")
 
 
 def _cpu_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from .. import linear_kernels, native, ops, probe, weight_pages
+from .. import linear_kernels, native, ops, probe
 from ..knobs import LINEAR_KERNELS as KERNELS
 from ..load import ForeignLoad
-from ... import context, hugepages
+from ... import context
 from .base import Router
 
 logger = logging.getLogger("contbatch")
@@ -61,7 +61,6 @@ class LinearPlan:
     routes: tuple[tuple[Shape, tuple[str, str, str]], ...]  # shape -> kernel at 1 row, a few rows, a batch
     summary: str
     prepack: bool = False  # layers routed to oneDNN keep a prepacked copy of their weight
-    huge_pages: bool = False  # weights read at one row by small_linear move to 2 MiB pages (weight_pages.py)
 
     @property
     def routes_anything(self) -> bool:
@@ -81,6 +80,13 @@ def candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def shape_of(m: torch.nn.Linear) -> Shape:
     return (m.out_features, m.in_features, str(m.weight.dtype).removeprefix("torch."))
+
+
+def one_row_weights(model: torch.nn.Module, plan: LinearPlan) -> list[torch.Tensor]:
+    """The weights `small_linear` reads at one row under `plan` (what a lone request's decode
+    streams from memory); before the plan is installed (`candidates` skips routed layers)."""
+    one_row = {shape for shape, kernels in plan.routes if kernels[0] == "small_linear"}
+    return [m.weight for m in candidates(model) if shape_of(m) in one_row]
 
 
 def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list[str]) -> tuple[bool, str]:
@@ -115,24 +121,6 @@ def _packed_note(model: torch.nn.Module, routes, prepack: bool, why: str) -> str
     return f"; oneDNN weights prepacked ({nbytes / 2**20:.0f} MiB of copies)" if nbytes else ""
 
 
-def _one_row_weights(model: torch.nn.Module, routes) -> list[torch.Tensor]:
-    """The weights `small_linear` reads at one row: what a lone request's decode streams."""
-    by_shape = dict(routes)
-    return [m.weight for m in candidates(model) if by_shape.get(shape_of(m), ("aten",))[0] == "small_linear"]
-
-
-def _pages_note(model: torch.nn.Module, routes) -> tuple[bool, str]:
-    """Whether the one-row weights go to 2 MiB pages, and the summary's words for it."""
-    weights = {id(w): w for w in _one_row_weights(model, routes)}.values()
-    if not weights:
-        return False, ""
-    ok, why = hugepages.availability()
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    if not ok:
-        return False, f"; one-row weights on ordinary pages ({why})"
-    return True, f"; one-row weights on 2 MiB pages ({nbytes / 2**20:.0f} MiB)"
-
-
 def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = True) -> LinearPlan:
     if kernel not in KERNELS:
         raise ValueError(f"the linear kernel must be one of {KERNELS}, got {kernel!r}")
@@ -159,10 +147,8 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         above = f"; oneDNN or aten above {ops.SMALL_LINEAR_MAX_ROWS} rows" if kernel == "small_linear" else ""
         left = (f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)"
                 if len(routes) < len(shapes) else "")
-        pages, note = _pages_note(model, routes)
         return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
-                          f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why) + note,
-                          prepack, pages)
+                          f"(as asked{above}){left}{no_onednn}" + _packed_note(model, routes, prepack, why), prepack)
     start = time.perf_counter()
     watch = ForeignLoad()
     store = probe.store
@@ -208,8 +194,7 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         how = f"{how}, other verdicts" if store.probed > probed else "probe verdicts"
         how += f" reused from {store.path} (delete it to probe again)"
     summary = "; ".join(parts) + f"; {how}, kept where >= {WIN_MARGIN}x{no_onednn}"
-    pages, note = _pages_note(model, routes)
-    return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why) + note, prepack, pages)
+    return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
 
 
 def kernel_at(route: tuple[str, str, str], rows: int) -> str:
@@ -266,8 +251,6 @@ class LinearRouter(Router):
         if not self.plan.routes_anything or self.modules:
             return
         routes = dict(self.plan.routes)
-        if self.plan.huge_pages:  # before the forwards are patched: `candidates` then skips the layers
-            weight_pages.move_to_huge_pages(_one_row_weights(self.model, self.plan.routes), self.model)
         for m in candidates(self.model):
             route = routes.get(shape_of(m))
             if route is not None:
