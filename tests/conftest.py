@@ -137,6 +137,22 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int, eos_token_
     return out[0, len(prompt) :].tolist()
 
 
+NEAR_TIE = 1e-4  # a greedy choice whose top-two logits are closer than this is decided by rounding
+
+
+def greedy_margins(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The top-two logit margin behind each of `tokens` (a greedy continuation of `prompt`),
+    from one forward over both: where one is below NEAR_TIE, any other summation order (our
+    kernels, another batch) may pick the runner-up, so such a reference is not a test of
+    exactness."""
+    if not tokens:
+        return []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    top = logits.float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
 def dense_attention(q, k, v, table, kv_len, block_size, scale, window, softcap, sinks=None):
     """Paged attention written out densely in float64, independently of every backend: keys
     gathered position by position through one request's block table, grouped-query heads

@@ -187,7 +187,8 @@ def test_cpu_cache_memory_is_zeroed_and_outlives_its_mapping(dtype):
     only when written: zero, contiguous, writable, and kept alive by the tensor alone."""
     import gc
 
-    from contbatch.cache.paged_cache import HUGE_PAGE, _zeros
+    from contbatch.cache.paged_cache import _zeros
+    from contbatch.hugepages import HUGE_PAGE
 
     for shape in ((3, 8, 16), (3, HUGE_PAGE // 64 + 5, 64)):  # under and over one huge page
         t = _zeros(shape, dtype, torch.device("cpu"))

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
@@ -27,7 +27,7 @@ from contbatch.requests import PLACEHOLDER, RequestState
 from contbatch.scheduling.scheduler import ScheduledChunk, StepPlan
 
 from capture_guard import forbid_host_syncs, guarded_capture, opaque
-from conftest import random_prompts, reference_generate
+from conftest import NEAR_TIE, greedy_margins, random_prompts, reference_generate
 
 
 # -- backend choice ----------------------------------------------------------------------
@@ -442,13 +442,16 @@ def _generate_memo(model, prompt: list[int], max_new: int, stop: int) -> list[in
 def test_async_and_sync_equal_generate_on_random_workloads(llama_model, seed, num_blocks, offload, scheduler, budget):
     """Whatever the pressure, budget and scheduler, both the carry-over pipeline (padded as for
     graphs) and the one-step-at-a-time loop produce exactly what `model.generate` does, token
-    for token, stopping where it stops."""
+    for token, stopping where it stops. Workloads whose reference holds a rounding-level near
+    tie (conftest.NEAR_TIE) are set aside: there any summation order may pick either token."""
     rng = random.Random(seed)
     prompts = random_prompts(rng.randint(2, 10), 1, 30, seed=seed)
     lengths = [rng.randint(1, 12) for _ in prompts]
     stops = [rng.randrange(3, 512) for _ in prompts]
     params = [SamplingParams(max_new_tokens=n, stop_token_ids=[t]) for n, t in zip(lengths, stops)]
     expected = [_generate_memo(llama_model, p, n, t) for p, n, t in zip(prompts, lengths, stops)]
+    assume(all(min(greedy_margins(llama_model, p, want), default=1.0) >= NEAR_TIE
+               for p, want in zip(prompts, expected)))
     for use_async in (False, True):
         config = ContinuousBatchingConfig(
             block_size=4, num_blocks=num_blocks, max_batch_tokens=budget, attention_backend="reference",

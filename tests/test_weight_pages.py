@@ -52,7 +52,8 @@ def test_moved_weights_keep_values_ties_and_move_once():
     assert all(torch.equal(values[n], p) for n, p in model.named_parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one Parameter
     changed = {n for n, p in model.named_parameters() if p.data_ptr() != before[n]}
-    assert "model.embed_tokens.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed  # the LM head: tied
+    # the LM head is the embedding's Parameter (tied), named once
+    assert "model.embed_tokens.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
     assert not any("norm" in n for n in changed)  # only what was given
     assert all(w.untyped_storage().nbytes() == w.numel() * 4 for w in weights)  # a storage each
     assert weight_pages.move_to_huge_pages(weights, model) == 0  # a second manager finds them moved

@@ -9,13 +9,14 @@ The KV cache lives on such pages for the same reason (`cache/paged_cache.py`).
 `plan_pages` says, once per manager start, which weights those are and whether they move: the
 weights `small_linear` reads at one row (the linear plan's one-row routes) and every packed
 weight (`cpu/quant`: codes, scales and mins of quantized linears and embeddings, which their
-one-row kernels stream the same way); `CpuRouters.install` moves them. `move_to_huge_pages` copies the given tensors, back to back, into one anonymous mapping advised
-for huge pages, and points each tensor at its copy (`tensor.data = copy`): the modules keep the
-same Parameter objects, so tied weights stay tied, `update_weights` and an optimizer see them,
-and every value is the same bit for bit. Each copy is a storage of its own (exactly the
-tensor's bytes), so checkpoint writers see no shared memory. A tensor is moved once: a second
-manager on the same model finds it moved. Where the OS has no transparent huge pages (off,
-or no madvise), nothing moves and `hugepages.availability()` says why.
+one-row kernels stream the same way); `CpuRouters.install` moves them. `move_to_huge_pages`
+copies the given tensors, back to back, into one private anonymous mapping advised for huge
+pages (`hugepages.zeroed_buffer`), and points each tensor at its copy (`tensor.data = copy`):
+the modules keep the same Parameter objects, so tied weights stay tied, `update_weights` and
+an optimizer see them, and every value is the same bit for bit. Each copy is a storage of its
+own (exactly the tensor's bytes), so checkpoint writers see no shared memory. A tensor is moved
+once: a second manager on the same model finds it moved. Where the OS has no transparent huge
+pages (off, or no madvise), nothing moves and `hugepages.availability()` says why.
 
 Only whole storages move: a tensor that is a view of a larger storage, or whose storage other
 tensors of the model view differently, stays where it is (moving it would split memory that
@@ -90,8 +91,8 @@ def movable(tensors: Iterable[torch.Tensor], model: torch.nn.Module) -> list[tor
     out, seen = [], set()
     for t in tensors:
         ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
-        if (ptr is None or ptr in seen or not t.numel() or t.is_inference() or not t.is_contiguous() or t.storage_offset()
-                or t.untyped_storage().nbytes() != t.numel() * t.element_size() or is_moved(t)
+        if (ptr is None or ptr in seen or not t.numel() or t.is_inference() or not t.is_contiguous()
+                or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or is_moved(t)
                 or len(views.get(ptr, ())) > 1):
             continue
         seen.add(ptr)
