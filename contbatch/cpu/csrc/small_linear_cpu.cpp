@@ -75,18 +75,9 @@ void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, in
   }
 }
 
-// Output features [begin, end): with one or two rows, O = 4 or 2 features at a time, each from
-// its own stretch of the band. One stream of weight rows left the memory reads of a lone
-// request's decode short of the bandwidth that several concurrent streams reach (docs/cpu.md);
-// more rows have the arithmetic of several rows to cover the reads.
-template <int R, typename W>
-void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
-          int64_t out_stride) {
-  constexpr int O = R == 1 ? 4 : R == 2 ? 2 : 1;
-  const int64_t stride = (end - begin) / O;
-  for (int64_t o = begin; o < begin + stride; ++o) outputs<R, O>(x, w, bias, y, in, o, stride, out_stride);
-  for (int64_t o = begin + O * stride; o < end; ++o) outputs<R, 1>(x, w, bias, y, in, o, 0, out_stride);
-}
+// Weight rows read at once by R input rows (`band` below): four with one row, two with two.
+template <int R>
+constexpr int kStreams = R == 1 ? 4 : R == 2 ? 2 : 1;
 #elif defined(CONTBATCH_AVX2)
 // The same on AVX2 (8 values a vector, 16 registers). The portable loop below ran bfloat16
 // weights through a scalar widening and one dependent add chain: on an AVX2-only CPU one
@@ -135,16 +126,10 @@ void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, in
   }
 }
 
-// Output features [begin, end), one or two rows O = 3 or 2 features at a time (as many
-// streams as the sixteen registers hold beside the accumulators).
-template <int R, typename W>
-void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
-          int64_t out_stride) {
-  constexpr int O = R == 1 ? 3 : R == 2 ? 2 : 1;
-  const int64_t stride = (end - begin) / O;
-  for (int64_t o = begin; o < begin + stride; ++o) outputs<R, O>(x, w, bias, y, in, o, stride, out_stride);
-  for (int64_t o = begin + O * stride; o < end; ++o) outputs<R, 1>(x, w, bias, y, in, o, 0, out_stride);
-}
+// Weight rows read at once: three with one row, two with two (as many streams as the sixteen
+// registers hold beside the accumulators).
+template <int R>
+constexpr int kStreams = R == 1 ? 3 : R == 2 ? 2 : 1;
 #else
 template <int R, typename W>
 void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
@@ -159,6 +144,21 @@ void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64
       store(y, r, o, out_stride, sum, bias);
     }
   }
+}
+#endif
+
+#if defined(CONTBATCH_AVX512) || defined(CONTBATCH_AVX2)
+// Output features [begin, end) against R rows: with one or two rows, kStreams<R> features at a
+// time, each from its own stretch of the band. One stream of weight rows left the memory reads
+// of a lone request's decode short of the bandwidth that several concurrent streams reach
+// (docs/cpu.md); more rows have the arithmetic of several rows to cover the reads.
+template <int R, typename W>
+void band(const float* x, const W* w, const float* bias, W* y, int64_t in, int64_t begin, int64_t end,
+          int64_t out_stride) {
+  constexpr int O = kStreams<R>;
+  const int64_t stride = (end - begin) / O;
+  for (int64_t o = begin; o < begin + stride; ++o) outputs<R, O>(x, w, bias, y, in, o, stride, out_stride);
+  for (int64_t o = begin + O * stride; o < end; ++o) outputs<R, 1>(x, w, bias, y, in, o, 0, out_stride);
 }
 #endif
 
