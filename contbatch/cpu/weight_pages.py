@@ -70,30 +70,35 @@ def plan_pages(weights: list[torch.Tensor]) -> PagesPlan:
     return PagesPlan(True, nbytes, f"one-row weights on 2 MiB pages ({nbytes / 2**20:.0f} MiB)")
 
 
-def _cpu_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every CPU parameter and buffer of `model`, a shared one as often as modules hold it."""
+def _by_storage(model: torch.nn.Module) -> dict[int, list[torch.Tensor]]:
+    """Every CPU parameter and buffer of `model` (a shared one as often as modules hold it),
+    grouped by the address of its storage."""
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return [t for _, t in named if t is not None and t.device.type == "cpu"]
+    groups: dict[int, list[torch.Tensor]] = {}
+    for _, t in named:
+        if t is not None and t.device.type == "cpu":
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    return groups
 
 
 def is_moved(tensor: torch.Tensor) -> bool:
     return getattr(tensor, MARK, None) == tensor.data_ptr()
 
 
-def movable(tensors: Iterable[torch.Tensor], model: torch.nn.Module) -> list[torch.Tensor]:
+def movable(tensors: Iterable[torch.Tensor], model: torch.nn.Module,
+            groups: dict[int, list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """The tensors among `tensors` that `move_to_huge_pages` would move: CPU, contiguous, their
     storage's only bytes, not yet moved, not inference tensors, and every tensor of `model` on
-    the same storage the same whole view. Each storage once (the first tensor on it)."""
-    views: dict[int, set[tuple]] = {}
-    for t in _cpu_tensors(model):
-        views.setdefault(t.untyped_storage().data_ptr(), set()).add(
-            (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype))
+    the same storage the same whole view. Each storage once (the first tensor on it). `groups`:
+    `_by_storage(model)`, where the caller has it."""
+    groups = _by_storage(model) if groups is None else groups
     out, seen = [], set()
     for t in tensors:
         ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
+        views = {(s.storage_offset(), tuple(s.shape), tuple(s.stride()), s.dtype) for s in groups.get(ptr, ())}
         if (ptr is None or ptr in seen or not t.numel() or t.is_inference() or not t.is_contiguous()
                 or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or is_moved(t)
-                or len(views.get(ptr, ())) > 1):
+                or len(views) > 1):
             continue
         seen.add(ptr)
         out.append(t)
@@ -104,7 +109,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor], model: torch.nn.Module) -> i
     """Move `movable(tensors, model)` onto huge pages; every tensor of `model` that shares a
     moved storage is pointed at the copy too. Returns the bytes moved (0 where huge pages are
     not available)."""
-    todo = movable(tensors, model) if hugepages.availability()[0] else []
+    if not hugepages.availability()[0]:
+        return 0
+    groups = _by_storage(model)
+    todo = movable(tensors, model, groups)
     if not todo:
         return 0
     offsets, total = [], 0
@@ -112,13 +120,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor], model: torch.nn.Module) -> i
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     buffer, start = hugepages.zeroed_buffer(total)
-    sharers: dict[int, list[torch.Tensor]] = {}
-    for t in _cpu_tensors(model):
-        sharers.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     for t, offset in zip(todo, offsets):
         copy = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=start + offset).view(t.shape)
         copy.copy_(t.detach())
-        for same in {id(s): s for s in [t, *sharers.get(t.untyped_storage().data_ptr(), [])]}.values():
+        for same in {id(s): s for s in [t, *groups.get(t.untyped_storage().data_ptr(), [])]}.values():
             same.data = copy
             setattr(same, MARK, copy.data_ptr())
     return total
