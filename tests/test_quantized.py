@@ -23,21 +23,29 @@ TIE_MARGIN = 1e-3  # top-two logit margin under which a different greedy token i
 METHODS = ("int8", "int4", "int4-g128")
 
 
-def reference_values(m: QuantLinear) -> torch.Tensor:
-    """The layer's float32 weight from its codes, scales and mins, by the format's definition."""
-    codes = m.codes
-    if m.fmt.bits == 4:  # each 16-byte block: inputs 0-15 in the low nibbles, 16-31 in the high ones
-        b = codes.reshape(m.out_features, -1, 16).to(torch.int32)
+def reference_values(m) -> torch.Tensor:
+    """The layer's float32 weight from its codes, scales and mins, by the format's definition
+    (cpu/quant/format.py), in either layout."""
+    o, codes, scales, mins = m.out_features, m.codes, m.scales, m.mins
+    if m.fmt.tiled:  # 16 outputs a tile: codes [bytes / 4][16][4], scales and mins [groups][16]
+        width = codes.shape[1]
+        codes = codes.view(o // 16, width // 4, 16, 4).permute(0, 2, 1, 3).reshape(o, width)
+        scales, mins = (None if f is None else f.view(o // 16, -1, 16).permute(0, 2, 1).reshape(o, -1)
+                        for f in (scales, mins))
+        if m.fmt.bits == 4:  # byte 4v + k: input 8v + k in the low nibble, 8v + 4 + k in the high one
+            b = codes.reshape(o, -1, 4).to(torch.int32)
+            codes = torch.stack([b & 15, b >> 4], dim=2)
+    elif m.fmt.bits == 4:  # each 16-byte block: inputs 0-15 in the low nibbles, 16-31 in the high ones
+        b = codes.reshape(o, -1, 16).to(torch.int32)
         codes = torch.cat([b & 15, b >> 4], dim=-1)
-    q = codes.reshape(m.out_features, -1).float()
-    scale = m.scales.float().repeat_interleave(m.fmt.group, dim=1)
-    w = q * scale
-    return w + m.mins.float().repeat_interleave(m.fmt.group, dim=1) if m.mins is not None else w
+    q = codes.reshape(o, -1).float()
+    w = q * scales.float().repeat_interleave(m.fmt.group, dim=1)
+    return w + mins.float().repeat_interleave(m.fmt.group, dim=1) if mins is not None else w
 
 
 @pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("shape", [(96, 64), (40, 256), (200, 128)])
+@pytest.mark.parametrize("shape", [(96, 64), (40, 256), (200, 128), (208, 96)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 37, 70])
 def test_kernel_matches_linear_on_dequantized_weights(method, shape, rows):
     out, inp = shape
@@ -73,12 +81,12 @@ def test_linears_of_one_input_in_one_call_equal_each_alone(rows):
                                         (200, "int4-g128", torch.randn(200)))]
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(1, rows, 256).to(dtype)
-        got = ops.quant_linears(x, [(m.codes, m.scales, m.mins, m.bias, m.fmt.bits, m.fmt.group) for m in layers])
+        got = ops.quant_linears(x, [(m.codes, m.scales, m.mins, m.bias, m.fmt.op_bits, m.fmt.group) for m in layers])
         for m, y in zip(layers, got):
             assert y.shape == (1, rows, m.out_features) and y.dtype == dtype
             assert torch.equal(y, m(x))
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
-        ops.quant_linears(torch.randn(65, 256), [(m.codes, m.scales, m.mins, m.bias, m.fmt.bits, m.fmt.group)
+        ops.quant_linears(torch.randn(65, 256), [(m.codes, m.scales, m.mins, m.bias, m.fmt.op_bits, m.fmt.group)
                                                  for m in layers])
 
 

@@ -95,12 +95,18 @@ def register_linear_fakes() -> None:
 
 
 # -- quantized linear layers (cpu/quant/) ----------------------------------------------------
+def quant_tiles_available() -> bool:
+    """Whether the library has the tiled int8 kernels (AVX-512 VNNI; csrc/quant_tiles.h)."""
+    return native.load()[0] and bool(torch.ops.contbatch_cpu.quant_tiles())
+
+
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
     """`F.linear` on a packed weight (cpu/quant/format.py's layout), float32 accumulation, for
     float32 or bfloat16 x [..., in]: up to 64 rows dequantize in registers (one or two rows of
     int8 apply each group's scale once, to the codes' dot product), more a tile at a time into
-    `at::linear`. Equals `F.linear(x, quant_dequantize(...), bias)` up to float rounding."""
+    `at::linear`. Equals `F.linear(x, quant_dequantize(...), bias)` up to float rounding.
+    `bits` is the format's `op_bits` (a tiled int8 weight: integer dot products, quant_tiles.h)."""
     return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu import native, ops
 from ..cpu.quant.embedding import QuantEmbedding
 from ..cpu.quant.format import BLOCK, PackedWeight, format_for, quantize
 from ..cpu.quant.linear import QuantLinear
@@ -46,12 +47,16 @@ class QuantSummary:
     float32_bytes: int  # what the same weights take in float32
     embedding: str | None = None  # the packed embedding's format ("Q8_0", "int8, shared with the tied head")
     resident_bytes: int = 0  # every parameter and buffer of the model, each storage counted once
+    tiled_layers: int = 0  # quantized layers in 16-output tiles, run by the integer (AVX-512 VNNI) kernels
+    integer_kernels: bool = False  # whether the C++ library has those kernels here
 
     def describe(self) -> str:
         formats = ", ".join(f"{n} {f}" for f, n in self.formats) or "none"
         left = "".join(f"; {n} left float ({why})" for why, n in self.float_layers)
         embedding = f"packed ({self.embedding})" if self.embedding else "float"
-        return (f"quantization={self.method}: {self.quantized_layers} linear layers quantized ({formats}), "
+        kernels = (f"{self.tiled_layers} in 16-output tiles for the integer kernels" if self.integer_kernels
+                   else "no integer kernels here (AVX-512 VNNI): float kernels")
+        return (f"quantization={self.method}: {self.quantized_layers} linear layers quantized ({formats}; {kernels}), "
                 f"{self.packed_bytes / 2**20:.1f} MiB packed (float32: {self.float32_bytes / 2**20:.1f} MiB), "
                 f"embedding {embedding}, weights resident {self.resident_bytes / 2**20:.1f} MiB{left}")
 
@@ -130,7 +135,8 @@ def record(model: torch.nn.Module, method: str, swapped: list[QuantLinear], left
         formats[m.fmt.source] = formats.get(m.fmt.source, 0) + 1
     summary = QuantSummary(method, len(swapped), tuple(sorted(formats.items())), tuple(sorted(left.items())),
                            sum(m.nbytes for m in swapped), sum(4 * m.in_features * m.out_features for m in swapped),
-                           embedding, resident_bytes(model))
+                           embedding, resident_bytes(model), sum(m.fmt.tiled for m in swapped),
+                           native.load()[0] and ops.quant_tiles_available())
     setattr(model, ATTRIBUTE, summary)
     logger.info("contbatch: %s", summary.describe())
     return summary

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "quant_bands.h"
+#include "quant_tiles.h"
 
 namespace {
 
@@ -44,9 +45,17 @@ constexpr int64_t kChunkedRows = 64;
 constexpr int64_t kSubBand = 16;  // output features whose codes the row chunks share from L1
 
 
-Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t format,
              int64_t group, const char* op) {
+  const bool tiled = (format & kTiledFlag) != 0;
+  const int64_t bits = format & ~kTiledFlag;
   TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
+#if defined(CONTBATCH_QUANT_TILES)
+  TORCH_CHECK(!tiled || (codes.dim() == 2 && codes.size(0) % kTile == 0), op,
+              ": tiled weights have a multiple of ", kTile, " output features");
+#else
+  TORCH_CHECK(!tiled, op, ": tiled weights need AVX-512 VNNI, which this build lacks");
+#endif
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.device().is_cpu(), op,
               ": codes must be a contiguous 2-d CPU tensor");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op, ": ", bits == 8 ? "int8" : "uint8",
@@ -63,13 +72,24 @@ Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optio
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(), op,
                 ": float16 mins shaped as the scales");
   }
-  return Packed{static_cast<const uint8_t*>(codes.data_ptr()),
-                scales.data_ptr<at::Half>(), has_mins ? mins->data_ptr<at::Half>() : nullptr, in, group, bits, out};
+  Packed p{static_cast<const uint8_t*>(codes.data_ptr()),
+           scales.data_ptr<at::Half>(), has_mins ? mins->data_ptr<at::Half>() : nullptr, in, group, bits, out};
+  p.tiled = tiled;
+  return p;
 }
 
 
 // Output rows [begin, end) dequantized into tile (float32 [end - begin, I]).
 void dequantize_rows(const Packed& p, int64_t begin, int64_t end, float* tile) {
+#if defined(CONTBATCH_QUANT_TILES)
+  if (p.tiled) {  // whole tiles: begin and end are multiples of kTile
+    TORCH_CHECK(begin % kTile == 0 && end % kTile == 0, "tiled rows are dequantized a tile at a time");
+    at::parallel_for(begin / kTile, end / kTile, 1, [&](int64_t lo, int64_t hi) {
+      tiled_store_rows(p, lo * kTile, hi * kTile, tile + (lo * kTile - begin) * p.in);
+    });
+    return;
+  }
+#endif
   at::parallel_for(begin, end, 16, [&](int64_t lo, int64_t hi) {
     store_rows(p, lo, hi, tile + (lo - begin) * p.in);
   });
@@ -121,11 +141,26 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t sub_band = chunks == 1 ? first[n] : kSubBand;
   const float* xp = x.data_ptr<float>();
+#if defined(CONTBATCH_QUANT_TILES)
+  // x as integer digits once for every tiled linear of the call (quant_tiles.h)
+  // (a reference: the pool's threads read the calling thread's digits, not their own)
+  static thread_local XDigits digits;
+  XDigits& xd = digits;
+  if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; })) make_digits(xp, rows, in, xd);
+#endif
   at::parallel_for(0, first[n], 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = 0; i < n; ++i) {
       const float* bp = biases[i].defined() ? biases[i].data_ptr<float>() : nullptr;
       float* yp = ys[i].data_ptr<float>();
       const int64_t lo = std::max(begin, first[i]) - first[i], hi = std::min(end, first[i + 1]) - first[i];
+#if defined(CONTBATCH_QUANT_TILES)
+      if (ps[i].tiled) {  // whole tiles: a band's ends rounded up to a tile (out is a multiple of one)
+        const int64_t t_lo = (lo + kTile - 1) / kTile * kTile, t_hi = (hi + kTile - 1) / kTile * kTile;
+        if (lo < hi && t_lo < t_hi)
+          tiled_band(ps[i], xd, bp, yp, ps[i].out, t_lo, t_hi);
+        continue;
+      }
+#endif
       for (int64_t s = lo; s < hi; s += sub_band)
         for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
           const int64_t r = (rows - r0) / (chunks - c);
@@ -191,7 +226,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const at::Tensor b = float_bias(bias, out, "quant_linear");
   const bool has_bias = b.defined();
   if (rows == 0) return shaped(at::empty({0, out}, x.options()), input);
-  const int64_t tile_rows = std::max<int64_t>(16, std::min<int64_t>(out, kTileBytes / 4 / p.in));
+  int64_t tile_rows = std::max<int64_t>(16, std::min<int64_t>(out, kTileBytes / 4 / p.in));
+  if (p.tiled) tile_rows = std::min(out, (tile_rows + kTile - 1) / kTile * kTile);  // whole tiles
   const at::Tensor tile = at::from_blob(tile_buffer(tile_rows * p.in), {tile_rows, p.in}, x.options());
   if (tile_rows == out) {  // the whole weight in one tile: the product is the output
     dequantize_rows(p, 0, out, tile.data_ptr<float>());
@@ -206,9 +242,19 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   return shaped(y, input);
 }
 
+// Whether this build has the tiled int8 kernels (AVX-512 VNNI).
+bool quant_tiles() {
+#if defined(CONTBATCH_QUANT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
+  m.def("quant_tiles() -> bool", quant_tiles);
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int bits, int group) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor? mins, int bits, int group) -> Tensor");
   m.def("quant_linears(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] mins, Tensor?[] biases, int[] bits, "

@@ -44,12 +44,12 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        codes, scales = self.codes.index_select(0, ids), self.scales.index_select(0, ids)
-        mins = None if self.mins is None else self.mins.index_select(0, ids)
-        if self.native and codes.device.type == "cpu":
-            rows = ops.quant_dequantize(codes, scales, mins, self.fmt.bits, self.fmt.group)
+        table = PackedWeight(self.fmt, self.codes, self.scales, self.mins, self.num_embeddings, self.embedding_dim)
+        picked = table.rows(ids)  # in the row layout, whether the table is tiled or not
+        if self.native and picked.codes.device.type == "cpu":
+            rows = ops.quant_dequantize(picked.codes, picked.scales, picked.mins, picked.fmt.bits, picked.fmt.group)
         else:
-            rows = dequantize(PackedWeight(self.fmt, codes, scales, mins, ids.numel(), self.embedding_dim))
+            rows = dequantize(picked)
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,13 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
   blocks are copied as they are. w = code * scale + min, code 0..15 (asymmetric, as Q4_1; Q4_0's
   w = (code - 8) * d is min = -8 d, the same value exactly).
 - `scales` (and int4's `mins`): float16 [out, in / group], group a multiple of 32 dividing `in`.
+- tiled (`QuantFormat.tiled`, where the C++ library has AVX-512 VNNI: `tile`): the same
+  tensors and shapes, each run of 16 output features stored as one tile: int8 codes as
+  [in / 4][16][4] (input 4v + k of output j at byte 64 v + 4 j + k), int4 codes as
+  [in / 8][16][4] (byte 64 v + 4 j + k: input 8v + k of output j in the low nibble, 8v + 4 + k
+  in the high one), scales and mins as [groups][16]: the integer dot products of
+  csrc/quant_tiles.h take 16 outputs at once. `untile` and `PackedWeight.rows` give the row
+  layout back.
   fp16 because ggml's blocks carry fp16 fields (a GGUF file's scales are kept as they are, and
   the resident weights stay the file's size: Q4_1 is 20 bytes a block of 32 here as there);
   quantizing here rounds each scale and min to fp16 first and computes the codes from the
@@ -28,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # inputs per int4 nibble block (ggml's QK4_0 / QK8_0)
+TILE = 16  # output features a tile of the tiled int8 layout
+TILED_FLAG = 256  # csrc/quant_tiles.h's kTiledFlag
 INT4_GROUPS = (32, 128)
 FORMATS = ("int8", "int4")
 
@@ -39,12 +48,18 @@ class QuantFormat:
     bits: int  # 8 or 4
     group: int  # inputs sharing one scale (and min); `in_features` for per-channel int8
     source: str  # "int8", "int4-g32", "int4-g128" (quantized here) or a GGUF type ("Q4_1", ...)
+    tiled: bool = False  # int8 codes and scales in 16-output tiles (module docstring)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"quantized weights have 8 or 4 bits, got {self.bits}")
         if self.group <= 0 or self.group % BLOCK:
             raise ValueError(f"the quantization group must be a positive multiple of {BLOCK}, got {self.group}")
+
+    @property
+    def op_bits(self) -> int:
+        """The format word the C++ ops take as `bits`: the bits, plus TILED_FLAG for a tiled weight."""
+        return self.bits | (TILED_FLAG if self.tiled else 0)
 
 
 @dataclass
@@ -72,11 +87,78 @@ class PackedWeight:
             raise ValueError("int4 weights have mins, int8 ones none")
         if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != torch.float16):
             raise ValueError("mins must be float16, shaped as the scales")
+        if f.tiled and o % TILE:
+            raise ValueError(f"a tiled weight has a multiple of {TILE} output features, got {o}")
+
+    def rows(self, ids: torch.Tensor) -> "PackedWeight":
+        """Output features `ids` (int64 [n]) as an untiled weight [n, in] (an embedding's lookup)."""
+        if not self.fmt.tiled:
+            mins = None if self.mins is None else self.mins.index_select(0, ids)
+            return PackedWeight(self.fmt, self.codes.index_select(0, ids), self.scales.index_select(0, ids), mins,
+                                ids.numel(), self.in_features)
+        o, i, g = self.out_features, self.in_features, self.scales.shape[1]
+        t, j = ids // TILE, ids % TILE
+        width = self.codes.shape[1]  # bytes a row
+        codes = self.codes.view(o // TILE, width // 4, TILE, 4)[t, :, j, :].reshape(-1, width)
+        fields = [f.view(o // TILE, g, TILE)[t, :, j] for f in (self.scales, self.mins) if f is not None]
+        if self.fmt.bits == 4:
+            codes = pack_int4(_tiled_nibbles(codes))
+        return PackedWeight(untiled_format(self.fmt), codes, fields[0], fields[1] if self.mins is not None else None,
+                            ids.numel(), i)
 
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed weight (codes, scales, mins)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def untiled_format(fmt: QuantFormat) -> QuantFormat:
+    return QuantFormat(fmt.bits, fmt.group, fmt.source)
+
+
+def _tiled_nibbles(rows: torch.Tensor) -> torch.Tensor:
+    """int4 rows [n, in / 2] of tiled bytes (byte 4v + k: input 8v + k low, 8v + 4 + k high) as
+    int codes [n, in] in input order."""
+    n = rows.shape[0]
+    b = rows.view(n, -1, 4).to(torch.int32)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, -1)
+
+
+def _tile_fields(f: torch.Tensor | None, o: int) -> torch.Tensor | None:
+    return None if f is None else f.view(o // TILE, TILE, -1).permute(0, 2, 1).contiguous().view(o, -1)
+
+
+def _untile_fields(f: torch.Tensor | None, o: int) -> torch.Tensor | None:
+    return None if f is None else f.view(o // TILE, -1, TILE).permute(0, 2, 1).contiguous().view(o, -1)
+
+
+def tile(w: PackedWeight) -> PackedWeight:
+    """A weight with a multiple of 16 output features in the tiled layout (the same bytes
+    reordered, int4 nibbles regrouped); other weights as they are."""
+    o, i = w.out_features, w.in_features
+    if w.fmt.tiled or o % TILE:
+        return w
+    if w.fmt.bits == 8:
+        rows = w.codes
+    else:  # input 8v + k in byte 4v + k's low nibble, 8v + 4 + k in its high one
+        q = unpack_codes(w.codes, 4).view(o, i // 8, 2, 4)
+        rows = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).view(o, i // 2)
+    width = rows.shape[1]
+    codes = rows.view(o // TILE, TILE, width // 4, 4).permute(0, 2, 1, 3).contiguous().view(o, width)
+    fmt = QuantFormat(w.fmt.bits, w.fmt.group, w.fmt.source, tiled=True)
+    return PackedWeight(fmt, codes, _tile_fields(w.scales, o), _tile_fields(w.mins, o), o, i)
+
+
+def untile(w: PackedWeight) -> PackedWeight:
+    """The row layout of a tiled weight (a copy); an untiled weight as it is."""
+    if not w.fmt.tiled:
+        return w
+    o, i = w.out_features, w.in_features
+    width = w.codes.shape[1]
+    codes = w.codes.view(o // TILE, width // 4, TILE, 4).permute(0, 2, 1, 3).contiguous().view(o, width)
+    if w.fmt.bits == 4:
+        codes = pack_int4(_tiled_nibbles(codes))
+    return PackedWeight(untiled_format(w.fmt), codes, _untile_fields(w.scales, o), _untile_fields(w.mins, o), o, i)
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,6 +181,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def dequantize(w: PackedWeight) -> torch.Tensor:
     """float32 [out, in]: the weight's defined values (see the module docstring), in PyTorch;
     the C++ library's `quant_dequantize` computes the same values faster."""
+    w = untile(w)
     q = unpack_codes(w.codes, w.fmt.bits).to(torch.float32).reshape(w.out_features, -1, w.fmt.group)
     values = q * w.scales.float().unsqueeze(-1)
     if w.mins is not None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native, ops
-from .format import PackedWeight, QuantFormat, dequantize
+from .format import PackedWeight, QuantFormat, dequantize, tile
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16)
 
@@ -34,6 +34,9 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        self.native = native.load()[0]
+        if self.native and packed.codes.device.type == "cpu" and ops.quant_tiles_available():
+            packed = tile(packed)  # int8: integer dot products on 16 outputs at once (format.py)
         self.fmt: QuantFormat = packed.fmt
         self.in_features = packed.in_features
         self.out_features = packed.out_features
@@ -41,7 +44,6 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("scales", packed.scales.contiguous())
         self.register_buffer("mins", None if packed.mins is None else packed.mins.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.native = native.load()[0]
         if self.native:
             ops.register_quant_fakes()
 
@@ -57,12 +59,12 @@ class QuantLinear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight's float32 values [out, in] (on the codes' device)."""
         if self.native and self.codes.device.type == "cpu":
-            return ops.quant_dequantize(self.codes, self.scales, self.mins, self.fmt.bits, self.fmt.group)
+            return ops.quant_dequantize(self.codes, self.scales, self.mins, self.fmt.op_bits, self.fmt.group)
         return dequantize(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.device.type == "cpu" and x.dtype in _ACTIVATIONS:
-            return ops.quant_linear(x, self.codes, self.scales, self.mins, self.bias, self.fmt.bits, self.fmt.group)
+            return ops.quant_linear(x, self.codes, self.scales, self.mins, self.bias, self.fmt.op_bits, self.fmt.group)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized().to(x.dtype), bias)
 

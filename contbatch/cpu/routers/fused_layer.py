@@ -102,7 +102,7 @@ class FusedLayer:
         """What makes layers run different code: layers alike here are checked once for all."""
         return (self.window, self.head_dim, self.dtype, tuple(self.codes), len(self.norms),
                 tuple(m.bias is None for m in self.linears), self.scale, tuple(self.eps),
-                tuple((m.fmt.bits, m.fmt.group) if isinstance(m, QuantLinear) else None for m in self.linears))
+                tuple((m.fmt.op_bits, m.fmt.group) if isinstance(m, QuantLinear) else None for m in self.linears))
 
     def own(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         """The layer's forward without us: what compiled steps trace and other steps run."""
@@ -120,7 +120,7 @@ class FusedLayer:
                          for m in (self.norms[0], *self.linears[:4], self.norms[1], *self.linears[4:],
                                    *self.norms[2:])]
         self._biases = [tensors(m) for m in self.linears]
-        self._formats = [(m._buffers, (m.fmt.bits, m.fmt.group) if isinstance(m, QuantLinear) else None)
+        self._formats = [(m._buffers, (m.fmt.op_bits, m.fmt.group) if isinstance(m, QuantLinear) else None)
                          for m in self.linears]
         self._packed = any(fmt for _, fmt in self._formats)
         self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in

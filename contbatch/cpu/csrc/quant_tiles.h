@@ -1,0 +1,316 @@
+// The tiled layout of quant_linear_cpu.cpp (included there only), for CPUs with AVX-512 VNNI:
+// integer dot products of the codes with x written exactly as integers.
+//
+// Layout (cpu/quant/format.py's `tile` writes it): the output features in tiles of 16; its
+// scales (and int4 mins) are [groups][16] fp16. An int8 tile's codes are I / 4 vectors of 64
+// bytes, vector v holding inputs 4v..4v+3 of each of the tile's 16 outputs (byte 4j + k:
+// output j, input 4v + k); an int4 tile's are I / 8 vectors, byte 4j + k of vector v holding
+// input 8v + k of output j in its low nibble and input 8v + 4 + k in its high one. A vector
+// (or its low or high nibbles) is then one VNNI operand whose 16 lanes are the 16 outputs, so
+// a block's dot products accumulate in integer lanes with no horizontal sums.
+//
+// x is written per block of 32 inputs as integers X = x / d exactly where x has at most 22
+// significant bits below the block's largest magnitude (d a power of two, 2^-22 of the block's
+// largest power of two), else rounded to the nearest: an error of at most 2^-23 of the block's
+// largest value per input, below what float32 accumulation of the same products rounds away
+// in any order. X is split into three signed bytes (X = 2^16 x2 + 2^8 x1 + x0), each product
+// code x digit is exact in int32, and a block's value 2^16 D2 + 2^8 D1 + D0 is formed with two
+// roundings; then times d and the group's scale, accumulated in float32 (int4 adds the group's
+// min times the block's sum of X d). VNNI multiplies unsigned by signed bytes: int8 codes are
+// read with their sign bit flipped (code + 128) and 128 x (the block's digit sum) taken off,
+// exactly; int4 codes are unsigned already.
+//
+// Against the float path's weight rebuilt as code x scale: the same products up to these
+// roundings, about as far from F.linear on the dequantized weight as another summation order.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant_bands.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define CONTBATCH_QUANT_TILES 1
+#endif
+
+namespace contbatch_quant {
+
+constexpr int64_t kTile = 16;      // output features a tile
+constexpr int64_t kTiledFlag = 256;  // `bits | kTiledFlag`: the op's format word of a tiled weight
+
+#if defined(CONTBATCH_QUANT_TILES)
+
+// x's rows as digits: d[k][r * in + i] the k-th byte of input i of row r; per row and block,
+// `corr[k]` = 128 x the block's sum of digit k, `step` = d and `sum` = the block's sum of X d
+// (float).
+struct XDigits {
+  int64_t rows = 0, in = 0, blocks = 0;
+  std::vector<int8_t> d[3];
+  std::vector<int32_t> corr[3];
+  std::vector<float> step, sum;
+};
+
+inline void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
+                          int32_t* c2, float* step, float* sum) {
+  const __m512i half = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
+  for (int64_t b = 0; b < in / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    int e = 0;
+    if (std::isfinite(top)) std::frexp(top, &e);  // top < 2^e
+    e = std::max(e, -100);
+    // Non-finite x: the step is NaN, so the block's outputs are NaN as F.linear's would be.
+    step[b] = std::isfinite(top) ? std::ldexp(1.0f, e - 22) : NAN;
+    const __m512 inv = _mm512_set1_ps(std::isfinite(top) ? std::ldexp(1.0f, 22 - e) : 0.0f);
+    __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int h = 0; h < 2; ++h) {
+      __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, inv));  // |X| < 2^22, nearest
+      int8_t* out[3] = {d0, d1, d2};
+      for (int k = 0; k < 3; ++k) {
+        // balanced digit: ((X + 128) & 255) - 128, then X = (X - digit) / 256 exactly
+        const __m512i dig = k < 2 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), low), half) : X;
+        sums[k] = _mm512_add_epi32(sums[k], dig);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k] + 32 * b + 16 * h), _mm512_cvtepi32_epi8(dig));
+        X = _mm512_srai_epi32(_mm512_sub_epi32(X, dig), 8);
+      }
+    }
+    const int32_t s0 = _mm512_reduce_add_epi32(sums[0]), s1 = _mm512_reduce_add_epi32(sums[1]);
+    const int32_t s2 = _mm512_reduce_add_epi32(sums[2]);
+    c0[b] = 128 * s0;
+    c1[b] = 128 * s1;
+    c2[b] = 128 * s2;
+    sum[b] = static_cast<float>(65536 * s2 + 256 * s1 + s0) * step[b];  // |X sum| < 2^27
+  }
+}
+
+inline void make_digits(const float* x, int64_t rows, int64_t in, XDigits& xd) {
+  xd.rows = rows;
+  xd.in = in;
+  xd.blocks = in / 32;
+  for (int k = 0; k < 3; ++k) {
+    xd.d[k].resize(rows * in);
+    xd.corr[k].resize(rows * xd.blocks);
+  }
+  xd.step.resize(rows * xd.blocks);
+  xd.sum.resize(rows * xd.blocks);
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r * in, c = r * xd.blocks;
+      digits_of_row(x + o, in, xd.d[0].data() + o, xd.d[1].data() + o, xd.d[2].data() + o, xd.corr[0].data() + c,
+                    xd.corr[1].data() + c, xd.corr[2].data() + c, xd.step.data() + c, xd.sum.data() + c);
+    }
+  });
+}
+
+// One block (32 inputs) of O tiles against R rows of digits: a[o][r][k] += codes . digit k.
+template <int BITS, int R, int O>
+inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64_t r0, int64_t b,
+                       __m512i (&a)[O][R][3]) {
+  const int64_t in = xd.in;
+  auto quads = [&](int64_t i, __m512i (&quad)[R][3]) {  // inputs i..i+3 of each row's digits, broadcast
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 3; ++k) {
+        int32_t four;
+        std::memcpy(&four, xd.d[k].data() + (r0 + r) * in + i, 4);
+        quad[r][k] = _mm512_set1_epi32(four);
+      }
+  };
+  auto dot = [&](int o, __m512i w, const __m512i (&quad)[R][3]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+      for (int k = 0; k < 3; ++k) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w, quad[r][k]);
+  };
+  if constexpr (BITS == 8) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      const int64_t v = b * 8 + q;
+      __m512i quad[R][3];
+      quads(4 * v, quad);
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) dot(o, _mm512_xor_si512(_mm512_loadu_si512(tile[o] + v * 64), flip), quad);
+    }
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const int64_t v = b * 4 + q;
+      __m512i w[O];
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) w[o] = _mm512_loadu_si512(tile[o] + v * 64);
+      __m512i quad[R][3];
+      quads(8 * v, quad);
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) dot(o, _mm512_and_si512(w[o], nibble), quad);
+      quads(8 * v + 4, quad);
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) dot(o, _mm512_and_si512(_mm512_srli_epi16(w[o], 4), nibble), quad);
+    }
+  }
+}
+
+inline __m512 load_fields(const at::Half* fields) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
+}
+
+// O tiles, t + q * stride for q < O, of a tiled weight against rows [r0, r0 + R) of x's
+// digits; outputs into y (row r at y + r * out_stride). The O tiles are O streams of codes
+// read from different stretches of the band at once, which the memory keeps busier than one.
+template <int BITS, int R, int O>
+void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bias, float* y, int64_t out_stride,
+                int64_t t, int64_t stride) {
+  const int64_t groups = p.groups(), per_group = p.group / 32, tile_bytes = kTile * p.row_bytes();
+  const uint8_t* tile[O];
+  __m512 acc[O][R];
+#pragma GCC unroll 4
+  for (int o = 0; o < O; ++o) {
+    tile[o] = p.codes + (t + o * stride) * tile_bytes;
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 scale[O], min[O];
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) {
+      scale[o] = load_fields(p.scales + ((t + o * stride) * groups + g) * kTile);
+      if constexpr (BITS == 4) min[o] = load_fields(p.mins + ((t + o * stride) * groups + g) * kTile);
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m512i a[O][R][3];
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o)
+        for (int r = 0; r < R; ++r) a[o][r][0] = a[o][r][1] = a[o][r][2] = _mm512_setzero_si512();
+      block_dots<BITS, R, O>(tile, xd, r0, b, a);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t c = (r0 + r) * xd.blocks + b;
+        // int8: the flipped codes' excess, 128 x each digit's sum; int4: none
+        const __m512i c0 = _mm512_set1_epi32(BITS == 8 ? xd.corr[0][c] : 0);
+        const __m512i c1 = _mm512_set1_epi32(BITS == 8 ? xd.corr[1][c] : 0);
+        const __m512i c2 = _mm512_set1_epi32(BITS == 8 ? xd.corr[2][c] : 0);
+        const __m512 step = _mm512_set1_ps(xd.step[c]);
+#pragma GCC unroll 4
+        for (int o = 0; o < O; ++o) {
+          const __m512i d0 = _mm512_sub_epi32(a[o][r][0], c0), d1 = _mm512_sub_epi32(a[o][r][1], c1);
+          const __m512i d2 = _mm512_sub_epi32(a[o][r][2], c2);
+          const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(d2, 8), d1);  // |.| < 2^27: exact
+          const __m512 block =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(d0));
+          acc[o][r] = _mm512_fmadd_ps(block, _mm512_mul_ps(scale[o], step), acc[o][r]);
+          if constexpr (BITS == 4) acc[o][r] = _mm512_fmadd_ps(min[o], _mm512_set1_ps(xd.sum[c]), acc[o][r]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int o = 0; o < O; ++o) {
+    const int64_t first = (t + o * stride) * kTile;
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + first) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out_stride + first, _mm512_add_ps(acc[o][r], bv));
+  }
+}
+
+// Tile t (and O - 1 more, `stride` apart) against every row of xd: one row four streams, two
+// rows two, more one stream four rows at a time (the digits' accumulators fill the registers).
+template <int BITS, int O>
+void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride, int64_t t,
+                    int64_t stride) {
+  if (xd.rows == 1) return tiled_rows<BITS, 1, O>(p, xd, 0, bias, y, out_stride, t, stride);
+  if (xd.rows == 2) {
+    constexpr int O2 = O < 2 ? O : 2;
+    for (int64_t o = 0; o < O; o += O2) tiled_rows<BITS, 2, O2>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
+    return;
+  }
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t r = 0; r < xd.rows;) {
+      const int64_t n = std::min<int64_t>(4, xd.rows - r), u = t + o * stride;
+      float* yr = y + r * out_stride;
+      switch (n) {
+        case 1: tiled_rows<BITS, 1, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
+        case 2: tiled_rows<BITS, 2, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
+        case 3: tiled_rows<BITS, 3, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
+        default: tiled_rows<BITS, 4, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
+      }
+      r += n;
+    }
+}
+
+template <int BITS>
+void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
+                     int64_t begin, int64_t end) {
+  const int64_t t0 = begin / kTile, t1 = end / kTile;
+  const int64_t streams = xd.rows == 1 ? 4 : xd.rows == 2 ? 2 : 1, stride = (t1 - t0) / streams;
+  for (int64_t t = t0; streams > 1 && t < t0 + stride; ++t) {
+    if (streams == 4) tiled_all_rows<BITS, 4>(p, xd, bias, y, out_stride, t, stride);
+    else tiled_all_rows<BITS, 2>(p, xd, bias, y, out_stride, t, stride);
+  }
+  for (int64_t t = streams > 1 ? t0 + streams * stride : t0; t < t1; ++t)
+    tiled_all_rows<BITS, 1>(p, xd, bias, y, out_stride, t, 0);
+}
+
+// Output features [begin, end) (multiples of 16) of a tiled weight against every row of xd.
+// One or two rows read four or two stretches of the band at once (tiled_rows); more rows
+// take a tile at a time, so that it is read from memory once and from cache by the others.
+inline void tiled_band(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
+                       int64_t begin, int64_t end) {
+  if (p.bits == 8) tiled_band_bits<8>(p, xd, bias, y, out_stride, begin, end);
+  else tiled_band_bits<4>(p, xd, bias, y, out_stride, begin, end);
+}
+
+// Rows [begin, end) (multiples of 16) of a tiled weight dequantized into w (float32
+// [end - begin, in]): code x scale (+ min), one rounding each, as the row layout's kernels
+// rebuild it.
+inline void tiled_store_rows(const Packed& p, int64_t begin, int64_t end, float* w) {
+  const int64_t in = p.in, groups = p.groups(), tile_bytes = kTile * p.row_bytes();
+  const __m512i lane_quarter = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  for (int64_t t = begin / kTile; t < end / kTile; ++t) {
+    const uint8_t* tile = p.codes + t * tile_bytes;
+    float* rows = w + (t * kTile - begin) * in;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 scale = load_fields(p.scales + (t * groups + g) * kTile);
+      const __m512 min = p.bits == 4 ? load_fields(p.mins + (t * groups + g) * kTile) : _mm512_setzero_ps();
+      __m512 qs[4], qm[4];  // lanes 4m..4m+3: output 4q + m's scale and min
+      for (int q = 0; q < 4; ++q) {
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q), lane_quarter);
+        qs[q] = _mm512_permutexvar_ps(idx, scale);
+        qm[q] = _mm512_permutexvar_ps(idx, min);
+      }
+      // a vector's byte quarters as inputs first..first+3 of outputs 4q..4q+3
+      auto store = [&](__m512i bytes, int64_t first, bool signed_codes) {
+        const __m128i parts[4] = {_mm512_extracti32x4_epi32(bytes, 0), _mm512_extracti32x4_epi32(bytes, 1),
+                                  _mm512_extracti32x4_epi32(bytes, 2), _mm512_extracti32x4_epi32(bytes, 3)};
+        for (int q = 0; q < 4; ++q) {
+          const __m512i ints = signed_codes ? _mm512_cvtepi8_epi32(parts[q]) : _mm512_cvtepu8_epi32(parts[q]);
+          __m512 vals = _mm512_mul_ps(_mm512_cvtepi32_ps(ints), qs[q]);
+          if (!signed_codes) vals = _mm512_add_ps(vals, qm[q]);
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, vals);
+          for (int m = 0; m < 4; ++m) std::memcpy(rows + (4 * q + m) * in + first, lanes + 4 * m, 4 * sizeof(float));
+        }
+      };
+      if (p.bits == 8) {
+        for (int64_t v = g * p.group / 4; v < (g + 1) * p.group / 4; ++v)
+          store(_mm512_loadu_si512(tile + v * 64), 4 * v, true);
+      } else {
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
+        for (int64_t v = g * p.group / 8; v < (g + 1) * p.group / 8; ++v) {
+          const __m512i bytes = _mm512_loadu_si512(tile + v * 64);
+          store(_mm512_and_si512(bytes, nibble), 8 * v, false);
+          store(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), 8 * v + 4, false);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace contbatch_quant

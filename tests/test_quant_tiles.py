@@ -1,0 +1,79 @@
+"""The tiled layout of packed weights (cpu/quant/format.py) and its integer kernels
+(csrc/quant_tiles.h, AVX-512 VNNI): the layout round-trips and looks up rows as the row
+layout does, and the kernels' outputs stay within the bound their docstring states against
+F.linear on the dequantized weight, for int8 and int4, every row count they take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from contbatch.cpu import native, ops
+from contbatch.cpu.quant.format import QuantFormat, dequantize, format_for, quantize, tile, untile
+
+FORMATS = {"int8": format_for("int8", 256), "Q8_0": QuantFormat(8, 32, "Q8_0"), "int4": format_for("int4", 256),
+           "int4-g128": format_for("int4-g128", 256)}
+needs_tiles = pytest.mark.skipif(not (native.load()[0] and ops.quant_tiles_available()),
+                                 reason="needs the C++ kernels with AVX-512 VNNI")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_tile_round_trips_and_looks_up_rows_as_the_row_layout(name):
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(48, 256), FORMATS[name])
+    tiled = tile(packed)
+    assert tiled.fmt.tiled and tiled.nbytes == packed.nbytes
+    assert tiled.codes.shape == packed.codes.shape and not torch.equal(tiled.codes, packed.codes)
+    back = untile(tiled)
+    assert not back.fmt.tiled
+    for a, b in ((back.codes, packed.codes), (back.scales, packed.scales), (back.mins, packed.mins)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(dequantize(tiled), dequantize(packed))
+    ids = torch.tensor([0, 17, 47, 5, 17, 16])
+    got, want = tiled.rows(ids), packed.rows(ids)
+    assert torch.equal(dequantize(got), dequantize(want)) and torch.equal(got.codes, want.codes)
+    assert tile(quantize(torch.randn(40, 256), FORMATS[name])).fmt.tiled is False  # not a multiple of 16
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 37, 64, 65])
+def test_tiled_kernel_within_its_bound_of_linear_on_dequantized_weights(name, rows):
+    """Each input is written as an integer multiple of its block's step d (2^-22 of the block's
+    largest power of two), so an output is off by at most d / 2 x sum |w| per block, plus float32
+    accumulation; an outlier input (a transformer's massive activations) makes d coarse for its
+    block, which the bound follows. Above 64 rows the prompt path's dequantized tile is used."""
+    torch.manual_seed(rows)
+    packed = tile(quantize(torch.randn(96, 256), FORMATS[name]))
+    w = dequantize(packed).double()
+    x = torch.randn(rows, 256) * torch.rand(rows, 256) ** 4
+    x[:, 37] = 3e3  # one outlier input in block 1
+    bias = torch.randn(96)
+    got = ops.quant_linear(x, packed.codes, packed.scales, packed.mins, bias, packed.fmt.op_bits,
+                           packed.fmt.group).double()
+    expected = F.linear(x.double(), w, bias.double())
+    top = x.abs().reshape(rows, -1, 32).amax(-1)  # [rows, blocks]
+    step = torch.exp2(torch.floor(torch.log2(top)) + 1 - 22)
+    per_block = w.abs().reshape(96, -1, 32).sum(-1)  # [out, blocks]
+    bound = 0.5 * step.double() @ per_block.T + 2e-6 * (x.double().abs() @ w.abs().T)
+    assert ((got - expected).abs() <= bound).all()
+    row_layout = untile(packed)
+    plain = ops.quant_linear(x, row_layout.codes, row_layout.scales, row_layout.mins, bias, row_layout.fmt.op_bits,
+                             row_layout.fmt.group).double()
+    assert ((plain - expected).abs() <= bound).all()
+
+
+@needs_tiles
+def test_tiled_kernel_passes_non_finite_inputs_on():
+    packed = tile(quantize(torch.randn(32, 64), FORMATS["Q8_0"]))
+    x = torch.randn(3, 64)
+    x[1, 5] = float("inf")
+    y = ops.quant_linear(x, packed.codes, packed.scales, None, None, packed.fmt.op_bits, packed.fmt.group)
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all() and not torch.isfinite(y[1]).any()
+
+
+def test_tiled_weights_need_whole_tiles():
+    packed = quantize(torch.randn(48, 64), FORMATS["Q8_0"])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        type(packed)(QuantFormat(8, 32, "Q8_0", tiled=True), packed.codes[:40], packed.scales[:40], None, 40, 64)
