@@ -35,14 +35,14 @@ def availability() -> tuple[bool, str]:
     return True, ""
 
 
-def zeroed_buffer(nbytes: int) -> tuple[mmap.mmap, int]:
+def zeroed_buffer(nbytes: int, huge: bool = True) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping with `nbytes` of zeros from the returned offset on: that
-    offset is a 2 MiB boundary, and the range is advised for huge pages where the system has
-    them (else ordinary pages, silently: the memory is the same)."""
+    offset is a 2 MiB boundary, and with `huge` the range is advised for huge pages where the
+    system has them (else ordinary pages, silently: the memory is the same)."""
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a boundary
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -_address(buffer) % HUGE_PAGE
-    if availability()[0]:
+    if huge and availability()[0]:
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE, start, size - start)
         except OSError:

@@ -183,8 +183,8 @@ def test_kv_write_refuses_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_cache_memory_is_zeroed_and_outlives_its_mapping(dtype):
-    """Large CPU cache tensors live in an anonymous mapping advised for huge pages, touched
-    only when written: zero, contiguous, writable, and kept alive by the tensor alone."""
+    """Large CPU cache tensors live in a private anonymous mapping, touched only when written:
+    zero, contiguous, writable, and kept alive by the tensor alone."""
     import gc
 
     from contbatch.cache.paged_cache import _zeros

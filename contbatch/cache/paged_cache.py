@@ -207,17 +207,21 @@ class PagedAttentionCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor. On the CPU: a private anonymous mapping, which the OS hands out as
-    zero pages on first touch, advised for 2 MiB pages where the OS has them (`hugepages.py`).
+    """A zeroed cache tensor. On the CPU: a private anonymous mapping (`hugepages.py`), which the
+    OS hands out as zero pages on first touch, on ordinary pages.
 
     `torch.zeros` wrote every byte at start-up: a lone request's manager, whose cache is sized
     to a share of RAM, spent seconds zeroing gigabytes it never used. Here memory is touched
-    only as blocks are written. Each decode row reads its keys block by block from wherever the
-    blocks lie: with 4 KiB pages nearly every 4 KiB of keys is a TLB miss, and the rows a step
-    writes land on random pages; huge pages made decoding faster (figures in docs/cpu.md)."""
+    only as blocks are written, which happens inside steps: a block allocated for the first
+    time faults its pages in while the step writes its rows. Advised for 2 MiB pages, the first
+    row of a block written there faulted in 2 MiB for every layer and KV head at once, and a
+    step that crossed into fresh memory stalled for that (in a virtual machine, for the host
+    to back each 2 MiB as well); on ordinary pages the same memory arrives 4 KiB at a time as
+    the rows fill it, and the decode steps' TLB misses on 4 KiB pages cost less than the
+    stalls did (docs/cpu.md has both measurements)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < hugepages.HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buffer, start = hugepages.zeroed_buffer(nbytes)  # zero-filled by the OS
+    buffer, start = hugepages.zeroed_buffer(nbytes, huge=False)  # zero-filled by the OS
     return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start).view(shape)  # the tensor holds the mapping
