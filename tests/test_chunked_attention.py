@@ -176,7 +176,7 @@ def test_steps_reaching_floor_scale_are_refused():
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=2, do_sample=False)
-    for step_tokens in (20, None):  # None: the CPU default of 2048
+    for step_tokens in (20, None):  # None: the CPU default of 512
         with pytest.raises(ValueError, match="attn_temperature_tuning.*floor_scale=20.*set max_batch_tokens below 20"):
             ContinuousBatchingManager(llama4(), gc, ContinuousBatchingConfig(max_batch_tokens=step_tokens))
     layout = KVLayout.from_model_config(llama4().config, torch.float32)

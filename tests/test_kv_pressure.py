@@ -361,7 +361,7 @@ def test_max_batch_tokens_default_and_explicit_value(llama_model):
     from contbatch.setup import resolve
 
     r, _ = resolve.resolve_config(ContinuousBatchingConfig(num_blocks=64), llama_model)
-    assert r.max_batch_tokens == 2048  # the CPU default
+    assert r.max_batch_tokens == 512  # the CPU default
     r, _ = resolve.resolve_config(ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=7), llama_model)
     assert r.max_batch_tokens == 7 and r.max_requests_per_batch <= 7  # explicit: honoured as given
     # ... and by the scheduler: no step computes more than 7 tokens.

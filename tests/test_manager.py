@@ -217,7 +217,7 @@ def test_resolved_config_is_logged_and_readable(llama_model, caplog):
     with continuous_batching(llama_model, GREEDY, config) as m:
         r = m.resolved_config
     assert r.block_size == 16 and r.max_blocks_per_request == 10  # ceil(128/16)+1 = 9 -> even 10
-    assert r.max_batch_tokens == 2048 and r.scheduler_type == "fifo" and r.safety_margin == 0.15
+    assert r.max_batch_tokens == 512 and r.scheduler_type == "fifo" and r.safety_margin == 0.15
     assert r.num_blocks >= 8 and r.num_blocks_rule.startswith("cpu:")
     lines = [rec.message for rec in caplog.records if "contbatch engine:" in rec.message]
     assert len(lines) == 1 and f"blocks={r.num_blocks}x16" in lines[0]
