@@ -42,6 +42,9 @@ constexpr int64_t kTileBytes = 4 << 20;  // float32 tile of the prompt path
 // Up to this many rows, the register kernels in chunks of kMaxRows beat dequantizing into a
 // GEMM (measured per layer of the default model: docs/cpu.md)
 constexpr int64_t kChunkedRows = 64;
+// Tiled weights take the integer kernels at every row count, this many rows a call: they beat
+// dequantizing into oneDNN's GEMM at 128-512 rows too (docs/cpu.md), and x's digits stay small.
+constexpr int64_t kTiledRows = 512;
 constexpr int64_t kSubBand = 16;  // output features whose codes the row chunks share from L1
 
 
@@ -127,7 +130,9 @@ at::Tensor shaped(const at::Tensor& y, const at::Tensor& input) {
 std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Packed>& ps,
                                  const std::vector<at::Tensor>& biases) {
   const int64_t in = ps[0].in, rows = input.numel() / in, n = static_cast<int64_t>(ps.size());
-  TORCH_CHECK(rows >= 1 && rows <= kChunkedRows, "quant_linears takes 1 to ", kChunkedRows, " rows, got ", rows);
+  const bool all_tiled = std::all_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
+  const int64_t most = all_tiled ? std::max(kTiledRows, kChunkedRows) : kChunkedRows;
+  TORCH_CHECK(rows >= 1 && rows <= most, "quant_linears takes 1 to ", most, " rows, got ", rows);
   const at::Tensor x = input.reshape({rows, in}).to(at::kFloat).contiguous();
   std::vector<at::Tensor> ys(n);
   std::vector<int64_t> first(n + 1, 0);  // the outputs of linear i are [first[i], first[i + 1]) end to end
@@ -221,7 +226,15 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const Packed p = check(codes, scales, mins, bits, group, "quant_linear");
   check_input(input, p.in, "quant_linear");
   const int64_t out = codes.size(0), rows = input.numel() / p.in;
-  if (rows >= 1 && rows <= kChunkedRows) return few_rows(input, {p}, {float_bias(bias, out, "quant_linear")})[0];
+  if (p.tiled && rows > kTiledRows) {  // the integer kernels, kTiledRows rows a call
+    const at::Tensor x = input.reshape({rows, p.in}), b = float_bias(bias, out, "quant_linear");
+    std::vector<at::Tensor> parts;
+    for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows)
+      parts.push_back(few_rows(x.narrow(0, r0, std::min(kTiledRows, rows - r0)), {p}, {b})[0]);
+    return shaped(at::cat(parts, 0), input);
+  }
+  if (rows >= 1 && rows <= (p.tiled ? kTiledRows : kChunkedRows))
+    return few_rows(input, {p}, {float_bias(bias, out, "quant_linear")})[0];
   const at::Tensor x = input.reshape({rows, p.in}).to(at::kFloat).contiguous();
   const at::Tensor b = float_bias(bias, out, "quant_linear");
   const bool has_bias = b.defined();
