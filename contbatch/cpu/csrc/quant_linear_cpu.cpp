@@ -15,6 +15,10 @@
 // codes' dot product with x once instead of every code: one product fewer per weight, read from
 // several places of the band at once (int8_outputs), at the cost of float rounding.
 //
+// Where the library has AVX-512 VNNI, weights with a multiple of 16 output features are
+// tiled (quant_tiles.h) and every row count runs the integer kernels there; the rest of this
+// comment is the row layout's path.
+//
 // One to seven rows (decode) read each code once and multiply it into every row while it is
 // in registers: the layer reads a quarter (int8) or an eighth (int4) of the float32 bytes.
 // Up to kChunkedRows rows run the same kernels seven rows at a time over small bands of
