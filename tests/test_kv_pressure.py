@@ -156,7 +156,8 @@ def test_burst_sharing_a_prefix_computes_it_once(llama_model, async_flat):
     flat = dict(attention_backend="reference", use_async_batching=True) if async_flat else {}
     hits = {}
     for hold in (False, True):
-        config = ContinuousBatchingConfig(block_size=4, hold_shared_prefixes=hold, **flat)
+        # one step takes all 16 prompts (~720 tokens): admitted together
+        config = ContinuousBatchingConfig(block_size=4, hold_shared_prefixes=hold, max_batch_tokens=2048, **flat)
         with continuous_batching(llama_model, gen, config) as m:
             ids = m.add_requests(prompts)
             outs = [m.get_result(rid, timeout=120).generated_tokens for rid in ids]
