@@ -96,7 +96,7 @@ def register_linear_fakes() -> None:
 
 # -- quantized linear layers (cpu/quant/) ----------------------------------------------------
 def quant_tiles_available() -> bool:
-    """Whether the library has the tiled int8 kernels (AVX-512 VNNI; csrc/quant_tiles.h)."""
+    """Whether the library has the tiled layout's integer kernels (AVX-512 VNNI; csrc/quant_tiles.h)."""
     return native.load()[0] and bool(torch.ops.contbatch_cpu.quant_tiles())
 
 
@@ -113,8 +113,9 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
 
 def quant_linears(x: torch.Tensor, linears: list[tuple]) -> list[torch.Tensor]:
     """`quant_linear` of several packed weights of one input size on x (1 to 64 rows: the
-    register kernels' range; 512 where every weight is tiled) in one parallel region; `linears` holds (codes, scales, mins,
-    bias, bits, group) each. Every output equals `quant_linear`'s bit for bit."""
+    register kernels' range; 512 where every weight is tiled) in one parallel region;
+    `linears` holds (codes, scales, mins, bias, bits, group) each. Every output equals
+    `quant_linear`'s bit for bit."""
     codes, scales, mins, biases, bits, groups = (list(t) for t in zip(*linears))
     return torch.ops.contbatch_cpu.quant_linears(x, codes, scales, mins, biases, bits, groups)
 

@@ -28,7 +28,7 @@ struct Packed {
   const at::Half* scales;
   const at::Half* mins;  // int4 only
   int64_t in, group, bits, out;
-  bool tiled = false;  // int8 codes and scales in 16-output tiles (quant_tiles.h)
+  bool tiled = false;  // codes, scales and mins in 16-output tiles (quant_tiles.h)
   // float32 copies of the scales (and mins) of rows [f0, ...) that the kernels read (in_pieces)
   const float* fscales = nullptr;
   const float* fmins = nullptr;

@@ -243,8 +243,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const at::Tensor b = float_bias(bias, out, "quant_linear");
   const bool has_bias = b.defined();
   if (rows == 0) return shaped(at::empty({0, out}, x.options()), input);
-  int64_t tile_rows = std::max<int64_t>(16, std::min<int64_t>(out, kTileBytes / 4 / p.in));
-  if (p.tiled) tile_rows = std::min(out, (tile_rows + kTile - 1) / kTile * kTile);  // whole tiles
+  const int64_t tile_rows = std::max<int64_t>(16, std::min<int64_t>(out, kTileBytes / 4 / p.in));
   const at::Tensor tile = at::from_blob(tile_buffer(tile_rows * p.in), {tile_rows, p.in}, x.options());
   if (tile_rows == out) {  // the whole weight in one tile: the product is the output
     dequantize_rows(p, 0, out, tile.data_ptr<float>());
@@ -259,7 +258,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   return shaped(y, input);
 }
 
-// Whether this build has the tiled int8 kernels (AVX-512 VNNI).
+// Whether this build has the tiled layout's integer kernels (AVX-512 VNNI).
 bool quant_tiles() {
 #if defined(CONTBATCH_QUANT_TILES)
   return true;

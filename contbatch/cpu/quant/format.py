@@ -10,6 +10,11 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
   blocks are copied as they are. w = code * scale + min, code 0..15 (asymmetric, as Q4_1; Q4_0's
   w = (code - 8) * d is min = -8 d, the same value exactly).
 - `scales` (and int4's `mins`): float16 [out, in / group], group a multiple of 32 dividing `in`.
+  fp16 because ggml's blocks carry fp16 fields (a GGUF file's scales are kept as they are, and
+  the resident weights stay the file's size: Q4_1 is 20 bytes a block of 32 here as there);
+  quantizing here rounds each scale and min to fp16 first and computes the codes from the
+  rounded values, so a weight's error grows by at most fp16's precision (2^-11 of the group's
+  largest magnitude) over round-to-nearest's half a step.
 - tiled (`QuantFormat.tiled`, where the C++ library has AVX-512 VNNI: `tile`): the same
   tensors and shapes, each run of 16 output features stored as one tile: int8 codes as
   [in / 4][16][4] (input 4v + k of output j at byte 64 v + 4 j + k), int4 codes as
@@ -17,15 +22,11 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
   in the high one), scales and mins as [groups][16]: the integer dot products of
   csrc/quant_tiles.h take 16 outputs at once. `untile` and `PackedWeight.rows` give the row
   layout back.
-  fp16 because ggml's blocks carry fp16 fields (a GGUF file's scales are kept as they are, and
-  the resident weights stay the file's size: Q4_1 is 20 bytes a block of 32 here as there);
-  quantizing here rounds each scale and min to fp16 first and computes the codes from the
-  rounded values, so a weight's error grows by at most fp16's precision (2^-11 of the group's
-  largest magnitude) over round-to-nearest's half a step.
 
 The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), the
-fp16 fields widened to float32 exactly and each step rounded: the kernel rebuilds exactly
-these values, and the exactness tests compare against `F.linear` on them.
+fp16 fields widened to float32 exactly and each step rounded: the row layout's kernels rebuild
+exactly these values, and the exactness tests compare against `F.linear` on them (the tiled
+layout's integer kernels multiply the codes instead, within the bound csrc/quant_tiles.h states).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # inputs per int4 nibble block (ggml's QK4_0 / QK8_0)
-TILE = 16  # output features a tile of the tiled int8 layout
+TILE = 16  # output features a tile of the tiled layout
 TILED_FLAG = 256  # csrc/quant_tiles.h's kTiledFlag
 INT4_GROUPS = (32, 128)
 FORMATS = ("int8", "int4")
@@ -48,7 +49,7 @@ class QuantFormat:
     bits: int  # 8 or 4
     group: int  # inputs sharing one scale (and min); `in_features` for per-channel int8
     source: str  # "int8", "int4-g32", "int4-g128" (quantized here) or a GGUF type ("Q4_1", ...)
-    tiled: bool = False  # int8 codes and scales in 16-output tiles (module docstring)
+    tiled: bool = False  # codes, scales and mins in 16-output tiles (module docstring)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):

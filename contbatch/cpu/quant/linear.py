@@ -36,7 +36,7 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         self.native = native.load()[0]
         if self.native and packed.codes.device.type == "cpu" and ops.quant_tiles_available():
-            packed = tile(packed)  # int8: integer dot products on 16 outputs at once (format.py)
+            packed = tile(packed)  # integer dot products on 16 outputs at once (format.py)
         self.fmt: QuantFormat = packed.fmt
         self.in_features = packed.in_features
         self.out_features = packed.out_features
