@@ -65,12 +65,17 @@ def test_tiled_kernel_within_its_bound_of_linear_on_dequantized_weights(name, ro
 
 
 @needs_tiles
-def test_tiled_kernel_passes_non_finite_inputs_on():
-    packed = tile(quantize(torch.randn(32, 64), FORMATS["Q8_0"]))
-    x = torch.randn(3, 64)
-    x[1, 5] = float("inf")
-    y = ops.quant_linear(x, packed.codes, packed.scales, None, None, packed.fmt.op_bits, packed.fmt.group)
-    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all() and not torch.isfinite(y[1]).any()
+@pytest.mark.parametrize("fmt", ["Q8_0", "int4"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_tiled_kernel_passes_non_finite_inputs_on(fmt, bad, rows):
+    packed = tile(quantize(torch.randn(32, 64), FORMATS[fmt]))
+    x = torch.randn(rows, 64)
+    x[1, 37] = bad
+    y = ops.quant_linear(x, packed.codes, packed.scales, packed.mins, None, packed.fmt.op_bits, packed.fmt.group)
+    others = torch.ones(rows, dtype=torch.bool)
+    others[1] = False
+    assert torch.isfinite(y[others]).all() and not torch.isfinite(y[1]).any()
 
 
 def test_tiled_weights_need_whole_tiles():

@@ -63,12 +63,15 @@ inline void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, in
   for (int64_t b = 0; b < in / 32; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    // max drops NaN lanes, so NaN is tested for on its own (unordered compare of v with itself).
+    const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    const bool finite = !nan && std::isfinite(top);
     int e = 0;
-    if (std::isfinite(top)) std::frexp(top, &e);  // top < 2^e
+    if (finite) std::frexp(top, &e);  // top < 2^e
     e = std::max(e, -100);
     // Non-finite x: the step is NaN, so the block's outputs are NaN as F.linear's would be.
-    step[b] = std::isfinite(top) ? std::ldexp(1.0f, e - 22) : NAN;
-    const __m512 inv = _mm512_set1_ps(std::isfinite(top) ? std::ldexp(1.0f, 22 - e) : 0.0f);
+    step[b] = finite ? std::ldexp(1.0f, e - 22) : NAN;
+    const __m512 inv = _mm512_set1_ps(finite ? std::ldexp(1.0f, 22 - e) : 0.0f);
     __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int h = 0; h < 2; ++h) {
       __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, inv));  // |X| < 2^22, nearest
