@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu import native, ops
+from ..cpu import ops
 from ..cpu.quant.embedding import QuantEmbedding
 from ..cpu.quant.format import BLOCK, PackedWeight, format_for, quantize
 from ..cpu.quant.linear import QuantLinear
@@ -136,7 +136,7 @@ def record(model: torch.nn.Module, method: str, swapped: list[QuantLinear], left
     summary = QuantSummary(method, len(swapped), tuple(sorted(formats.items())), tuple(sorted(left.items())),
                            sum(m.nbytes for m in swapped), sum(4 * m.in_features * m.out_features for m in swapped),
                            embedding, resident_bytes(model), sum(m.fmt.tiled for m in swapped),
-                           native.load()[0] and ops.quant_tiles_available())
+                           ops.quant_tiles_available())
     setattr(model, ATTRIBUTE, summary)
     logger.info("contbatch: %s", summary.describe())
     return summary
