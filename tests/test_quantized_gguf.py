@@ -78,3 +78,23 @@ def test_default_gguf_served_quantized_matches_its_dequantized_model(default_mod
             margin = margin_at(ref, prompt, expected, step)
             print(f"prompt {i}: near-tie at token {step}, margin {margin:.3g}")
             assert margin < TIE_MARGIN, f"prompt {i} differs at token {step} with margin {margin:.3g}"
+
+
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+def test_default_gguf_served_quantized_in_bfloat16(default_model):
+    """A bfloat16 load keeps the file's blocks too: its weights are the file's values rounded
+    to bfloat16, so they are compared in that dtype, and the packed layers hold the exact
+    values (those of the float32 model); activations and outputs are bfloat16."""
+    from contbatch.setup.loading import load_model
+
+    model, _ = load_model(quantization="gguf", dtype=torch.bfloat16)
+    ref, _ = default_model
+    summary = model.contbatch_quantization
+    assert dict(summary.formats) == {"Q4_1": 210, "Q8_0": 1} and not summary.float_layers
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj", "lm_head"):
+        assert torch.equal(reference_values(model.get_submodule(name)), ref.get_submodule(name).weight.detach()), name
+    with torch.inference_mode():
+        logits = model(torch.tensor([[1, 504, 3458, 282]])).logits
+        expected = ref(torch.tensor([[1, 504, 3458, 282]])).logits
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(logits[0, -1].float().topk(3).indices, expected[0, -1].topk(3).indices)

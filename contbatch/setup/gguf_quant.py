@@ -110,7 +110,8 @@ def attach_gguf_blocks(model: torch.nn.Module, path: str | Path) -> QuantSummary
         if order is None:
             return "its GGUF rows are transformed, not only reordered"
         packed = packed_from_blocks(kind, np.asarray(tensor.data)[order], *weight.shape)
-        if not torch.equal(_values(packed), weight.detach().float()):
+        # in the loaded dtype: a bfloat16 model's weight is the file's values rounded to it
+        if not torch.equal(_values(packed).to(weight.dtype), weight.detach()):
             return f"{kind} blocks differ from the loaded weight"
         return packed
 
