@@ -65,6 +65,33 @@ def test_tiled_kernel_within_its_bound_of_linear_on_dequantized_weights(name, ro
 
 
 @needs_tiles
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 37, 600])
+def test_tiled_kernel_takes_bfloat16_inputs_in_two_digits(name, rows):
+    """bfloat16 x (8 significant bits) is written in two digits, d 2^-14 of the block's largest
+    power of two: exact for every input within 2^-7 of its block's largest, the rest within
+    d / 2; the output is rounded to bfloat16 (2^-9 of it), which the bound adds."""
+    torch.manual_seed(rows)
+    packed = tile(quantize(torch.randn(96, 256), FORMATS[name]))
+    w = dequantize(packed).double()
+    x = (torch.randn(rows, 256) * torch.rand(rows, 256) ** 4).bfloat16()
+    x[:, 37] = 3e3
+    got = ops.quant_linear(x, packed.codes, packed.scales, packed.mins, None, packed.fmt.op_bits, packed.fmt.group)
+    assert got.dtype == torch.bfloat16
+    expected = F.linear(x.double(), w)
+    top = x.double().abs().reshape(rows, -1, 32).amax(-1)
+    step = torch.exp2(torch.floor(torch.log2(top)) + 1 - 14)
+    per_block = w.abs().reshape(96, -1, 32).sum(-1)
+    bound = 0.5 * step @ per_block.T + 2e-6 * (x.double().abs() @ w.abs().T)
+    assert ((got.double() - expected).abs() <= bound + 2.0**-8 * (expected.abs() + bound)).all()
+    # against three digits (the same x in float32): apart by no more than the two bounds
+    three = ops.quant_linear(x.float(), packed.codes, packed.scales, packed.mins, None, packed.fmt.op_bits,
+                             packed.fmt.group).double()
+    assert ((three - expected).abs() <= bound).all()
+    assert ((got.double() - three).abs() <= 2 * bound + 2.0**-8 * (expected.abs() + bound)).all()
+
+
+@needs_tiles
 @pytest.mark.parametrize("fmt", ["Q8_0", "int4"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("rows", [3, 40])

@@ -155,7 +155,10 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   // (a reference: the pool's threads read the calling thread's digits, not their own)
   static thread_local XDigits digits;
   XDigits& xd = digits;
-  if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; })) make_digits(xp, rows, in, xd);
+  // bfloat16 x (8 significant bits) in two digits, float32 in three (quant_tiles.h)
+  const int x_digits = input.scalar_type() == at::kBFloat16 ? 2 : 3;
+  if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; }))
+    make_digits(xp, rows, in, x_digits, xd);
 #endif
   at::parallel_for(0, first[n], 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = 0; i < n; ++i) {

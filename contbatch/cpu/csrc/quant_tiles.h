@@ -9,16 +9,23 @@
 // (or its low or high nibbles) is then one VNNI operand whose 16 lanes are the 16 outputs, so
 // a block's dot products accumulate in integer lanes with no horizontal sums.
 //
-// x is written per block of 32 inputs as integers X = x / d exactly where x has at most 22
-// significant bits below the block's largest magnitude (d a power of two, 2^-22 of the block's
-// largest power of two), else rounded to the nearest: an error of at most 2^-23 of the block's
-// largest value per input, below what float32 accumulation of the same products rounds away
-// in any order. X is split into three signed bytes (X = 2^16 x2 + 2^8 x1 + x0), each product
-// code x digit is exact in int32, and a block's value 2^16 D2 + 2^8 D1 + D0 is formed with two
-// roundings; then times d and the group's scale, accumulated in float32 (int4 adds the group's
-// min times the block's sum of X d). VNNI multiplies unsigned by signed bytes: int8 codes are
-// read with their sign bit flipped (code + 128) and 128 x (the block's digit sum) taken off,
-// exactly; int4 codes are unsigned already.
+// float32 x is written per block of 32 inputs as integers X = x / d exactly where x has at most
+// 22 significant bits below the block's largest magnitude (d a power of two, 2^-22 of the
+// block's largest power of two), else rounded to the nearest: an error of at most 2^-23 of the
+// block's largest value per input, below what float32 accumulation of the same products rounds
+// away in any order. X is split into three signed bytes (X = 2^16 x2 + 2^8 x1 + x0), each
+// product code x digit is exact in int32, and a block's value 2^16 D2 + 2^8 D1 + D0 is formed
+// with two roundings; then times d and the group's scale, accumulated in float32 (int4 adds the
+// group's min times the block's sum of X d). VNNI multiplies unsigned by signed bytes: int8
+// codes are read with their sign bit flipped (code + 128) and 128 x (the block's digit sum)
+// taken off, exactly; int4 codes are unsigned already.
+//
+// bfloat16 x (8 significant bits) takes two digits, d 2^-14 of the block's largest power of
+// two: exact for every input within 2^-7 of the block's largest, the others within 2^-15 of it,
+// and 2^8 D1 + D0 formed with one rounding. A third of the dot products fewer; the output is
+// rounded to bfloat16 (2^-9 of it) after. Float32 models never take this path: their
+// massive activations make a block's smaller inputs lose bits that float32 keeps (the default
+// model's logits 2.9e-2 from float64 with two digits for float32 x, 1.7e-4 with three).
 //
 // Against the float path's weight rebuilt as code x scale: the same products up to these
 // roundings, about as far from F.linear on the dequantized weight as another summation order.
@@ -47,18 +54,21 @@ constexpr int64_t kTiledFlag = 256;  // `bits | kTiledFlag`: the op's format wor
 
 #if defined(CONTBATCH_QUANT_TILES)
 
-// x's rows as digits: d[k][r * in + i] the k-th byte of input i of row r; per row and block,
-// `corr[k]` = 128 x the block's sum of digit k, `step` = d and `sum` = the block's sum of X d
-// (float).
+// x's rows as digits (three, or two for bfloat16 x): d[k][r * in + i] the k-th byte of input i
+// of row r; per row and block, `corr[k]` = 128 x the block's sum of digit k, `step` = d and
+// `sum` = the block's sum of X d (float).
 struct XDigits {
   int64_t rows = 0, in = 0, blocks = 0;
+  int digits = 3;  // 3: X below 2^22 (float32 x); 2: below 2^14 (bfloat16 x)
   std::vector<int8_t> d[3];
   std::vector<int32_t> corr[3];
   std::vector<float> step, sum;
 };
 
-inline void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
-                          int32_t* c2, float* step, float* sum) {
+template <int D>
+void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1, int32_t* c2,
+                   float* step, float* sum) {
+  constexpr int bits = 8 * D - 2;  // |X| < 2^bits: the top digit stays within a signed byte
   const __m512i half = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
   for (int64_t b = 0; b < in / 32; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
@@ -70,22 +80,22 @@ inline void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, in
     if (finite) std::frexp(top, &e);  // top < 2^e
     e = std::max(e, -100);
     // Non-finite x: the step is NaN, so the block's outputs are NaN as F.linear's would be.
-    step[b] = finite ? std::ldexp(1.0f, e - 22) : NAN;
-    const __m512 inv = _mm512_set1_ps(finite ? std::ldexp(1.0f, 22 - e) : 0.0f);
+    step[b] = finite ? std::ldexp(1.0f, e - bits) : NAN;
+    const __m512 inv = _mm512_set1_ps(finite ? std::ldexp(1.0f, bits - e) : 0.0f);
     __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int h = 0; h < 2; ++h) {
-      __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, inv));  // |X| < 2^22, nearest
+      __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, inv));  // |X| < 2^bits, nearest
       int8_t* out[3] = {d0, d1, d2};
-      for (int k = 0; k < 3; ++k) {
+      for (int k = 0; k < D; ++k) {
         // balanced digit: ((X + 128) & 255) - 128, then X = (X - digit) / 256 exactly
-        const __m512i dig = k < 2 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), low), half) : X;
+        const __m512i dig = k < D - 1 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), low), half) : X;
         sums[k] = _mm512_add_epi32(sums[k], dig);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k] + 32 * b + 16 * h), _mm512_cvtepi32_epi8(dig));
         X = _mm512_srai_epi32(_mm512_sub_epi32(X, dig), 8);
       }
     }
     const int32_t s0 = _mm512_reduce_add_epi32(sums[0]), s1 = _mm512_reduce_add_epi32(sums[1]);
-    const int32_t s2 = _mm512_reduce_add_epi32(sums[2]);
+    const int32_t s2 = D == 3 ? _mm512_reduce_add_epi32(sums[2]) : 0;
     c0[b] = 128 * s0;
     c1[b] = 128 * s1;
     c2[b] = 128 * s2;
@@ -93,7 +103,8 @@ inline void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, in
   }
 }
 
-inline void make_digits(const float* x, int64_t rows, int64_t in, XDigits& xd) {
+inline void make_digits(const float* x, int64_t rows, int64_t in, int digits, XDigits& xd) {
+  xd.digits = digits;
   xd.rows = rows;
   xd.in = in;
   xd.blocks = in / 32;
@@ -106,57 +117,54 @@ inline void make_digits(const float* x, int64_t rows, int64_t in, XDigits& xd) {
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * in, c = r * xd.blocks;
-      digits_of_row(x + o, in, xd.d[0].data() + o, xd.d[1].data() + o, xd.d[2].data() + o, xd.corr[0].data() + c,
-                    xd.corr[1].data() + c, xd.corr[2].data() + c, xd.step.data() + c, xd.sum.data() + c);
+      auto row = digits == 3 ? digits_of_row<3> : digits_of_row<2>;
+      row(x + o, in, xd.d[0].data() + o, xd.d[1].data() + o, xd.d[2].data() + o, xd.corr[0].data() + c,
+          xd.corr[1].data() + c, xd.corr[2].data() + c, xd.step.data() + c, xd.sum.data() + c);
     }
   });
 }
 
-// One block (32 inputs) of O tiles against R rows of digits: a[o][r][k] += codes . digit k.
-template <int BITS, int R, int O>
+// One block (32 inputs) of O tiles against R rows of D digits: a[o][r][k] += codes . digit k.
+// Each broadcast quad of digits serves the O tiles' code vectors before the next is loaded.
+template <int BITS, int R, int O, int D>
 inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64_t r0, int64_t b,
                        __m512i (&a)[O][R][3]) {
   const int64_t in = xd.in;
-  auto quads = [&](int64_t i, __m512i (&quad)[R][3]) {  // inputs i..i+3 of each row's digits, broadcast
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < 3; ++k) {
-        int32_t four;
-        std::memcpy(&four, xd.d[k].data() + (r0 + r) * in + i, 4);
-        quad[r][k] = _mm512_set1_epi32(four);
-      }
-  };
-  auto dot = [&](int o, __m512i w, const __m512i (&quad)[R][3]) {
+  const int8_t* digits[3] = {xd.d[0].data() + r0 * in, xd.d[1].data() + r0 * in, xd.d[2].data() + r0 * in};
+  auto dots = [&](int64_t i, const __m512i (&w)[O]) {  // inputs i..i+3 of each row's digits against w
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
-      for (int k = 0; k < 3; ++k) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w, quad[r][k]);
+      for (int k = 0; k < D; ++k) {
+        int32_t four;
+        std::memcpy(&four, digits[k] + r * in + i, 4);
+        const __m512i quad = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+        for (int o = 0; o < O; ++o) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w[o], quad);
+      }
   };
+  __m512i w[O];
   if constexpr (BITS == 8) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
       const int64_t v = b * 8 + q;
-      __m512i quad[R][3];
-      quads(4 * v, quad);
 #pragma GCC unroll 4
-      for (int o = 0; o < O; ++o) dot(o, _mm512_xor_si512(_mm512_loadu_si512(tile[o] + v * 64), flip), quad);
+      for (int o = 0; o < O; ++o) w[o] = _mm512_xor_si512(_mm512_loadu_si512(tile[o] + v * 64), flip);
+      dots(4 * v, w);
     }
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
       const int64_t v = b * 4 + q;
-      __m512i w[O];
 #pragma GCC unroll 4
-      for (int o = 0; o < O; ++o) w[o] = _mm512_loadu_si512(tile[o] + v * 64);
-      __m512i quad[R][3];
-      quads(8 * v, quad);
+      for (int o = 0; o < O; ++o) w[o] = _mm512_and_si512(_mm512_loadu_si512(tile[o] + v * 64), nibble);
+      dots(8 * v, w);
 #pragma GCC unroll 4
-      for (int o = 0; o < O; ++o) dot(o, _mm512_and_si512(w[o], nibble), quad);
-      quads(8 * v + 4, quad);
-#pragma GCC unroll 4
-      for (int o = 0; o < O; ++o) dot(o, _mm512_and_si512(_mm512_srli_epi16(w[o], 4), nibble), quad);
+      for (int o = 0; o < O; ++o)
+        w[o] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(tile[o] + v * 64), 4), nibble);
+      dots(8 * v + 4, w);
     }
   }
 }
@@ -168,7 +176,7 @@ inline __m512 load_fields(const at::Half* fields) {
 // O tiles, t + q * stride for q < O, of a tiled weight against rows [r0, r0 + R) of x's
 // digits; outputs into y (row r at y + r * out_stride). The O tiles are O streams of codes
 // read from different stretches of the band at once, which the memory keeps busier than one.
-template <int BITS, int R, int O>
+template <int BITS, int R, int O, int D>
 void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bias, float* y, int64_t out_stride,
                 int64_t t, int64_t stride) {
   const int64_t groups = p.groups(), per_group = p.group / 32, tile_bytes = kTile * p.row_bytes();
@@ -187,26 +195,32 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
       if constexpr (BITS == 4) min[o] = load_fields(p.mins + ((t + o * stride) * groups + g) * kTile);
     }
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      // int8: the sums start at minus the flipped codes' excess, 128 x each digit's sum; int4: 0
       __m512i a[O][R][3];
-#pragma GCC unroll 4
-      for (int o = 0; o < O; ++o)
-        for (int r = 0; r < R; ++r) a[o][r][0] = a[o][r][1] = a[o][r][2] = _mm512_setzero_si512();
-      block_dots<BITS, R, O>(tile, xd, r0, b, a);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t c = (r0 + r) * xd.blocks + b;
-        // int8: the flipped codes' excess, 128 x each digit's sum; int4: none
-        const __m512i c0 = _mm512_set1_epi32(BITS == 8 ? xd.corr[0][c] : 0);
-        const __m512i c1 = _mm512_set1_epi32(BITS == 8 ? xd.corr[1][c] : 0);
-        const __m512i c2 = _mm512_set1_epi32(BITS == 8 ? xd.corr[2][c] : 0);
+#pragma GCC unroll 3
+        for (int k = 0; k < D; ++k) {
+          const __m512i start = BITS == 8 ? _mm512_set1_epi32(-xd.corr[k][c]) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+          for (int o = 0; o < O; ++o) a[o][r][k] = start;
+        }
+      }
+      block_dots<BITS, R, O, D>(tile, xd, r0, b, a);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t c = (r0 + r) * xd.blocks + b;
         const __m512 step = _mm512_set1_ps(xd.step[c]);
 #pragma GCC unroll 4
         for (int o = 0; o < O; ++o) {
-          const __m512i d0 = _mm512_sub_epi32(a[o][r][0], c0), d1 = _mm512_sub_epi32(a[o][r][1], c1);
-          const __m512i d2 = _mm512_sub_epi32(a[o][r][2], c2);
-          const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(d2, 8), d1);  // |.| < 2^27: exact
-          const __m512 block =
-              _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(d0));
+          __m512 block;
+          if constexpr (D == 3) {  // |2^8 D2 + D1| < 2^27: exact in int32; two roundings
+            const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(a[o][r][2], 8), a[o][r][1]);
+            block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a[o][r][0]));
+          } else {  // |2^8 D1 + D0| < 2^28: exact in int32, one rounding
+            block = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a[o][r][1], 8), a[o][r][0]));
+          }
           acc[o][r] = _mm512_fmadd_ps(block, _mm512_mul_ps(scale[o], step), acc[o][r]);
           if constexpr (BITS == 4) acc[o][r] = _mm512_fmadd_ps(min[o], _mm512_set1_ps(xd.sum[c]), acc[o][r]);
         }
@@ -223,40 +237,46 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 
 // Tile t (and O - 1 more, `stride` apart) against every row of xd: one row four streams, two
 // rows two, more one stream four rows at a time (the digits' accumulators fill the registers).
-template <int BITS, int O>
+template <int BITS, int O, int D>
 void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride, int64_t t,
                     int64_t stride) {
-  if (xd.rows == 1) return tiled_rows<BITS, 1, O>(p, xd, 0, bias, y, out_stride, t, stride);
+  if (xd.rows == 1) return tiled_rows<BITS, 1, O, D>(p, xd, 0, bias, y, out_stride, t, stride);
   if (xd.rows == 2) {
     constexpr int O2 = O < 2 ? O : 2;
-    for (int64_t o = 0; o < O; o += O2) tiled_rows<BITS, 2, O2>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
+    for (int64_t o = 0; o < O; o += O2) tiled_rows<BITS, 2, O2, D>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
     return;
   }
-  for (int64_t o = 0; o < O; ++o)
+  if constexpr (O <= 2)  // more rows: at most two tiles at once (4 x 3 x 2 sums fill the registers)
     for (int64_t r = 0; r < xd.rows;) {
-      const int64_t n = std::min<int64_t>(4, xd.rows - r), u = t + o * stride;
+      const int64_t n = std::min<int64_t>(4, xd.rows - r);
       float* yr = y + r * out_stride;
       switch (n) {
-        case 1: tiled_rows<BITS, 1, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
-        case 2: tiled_rows<BITS, 2, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
-        case 3: tiled_rows<BITS, 3, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
-        default: tiled_rows<BITS, 4, 1>(p, xd, r, bias, yr, out_stride, u, 0); break;
+        case 1: tiled_rows<BITS, 1, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
+        case 2: tiled_rows<BITS, 2, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
+        case 3: tiled_rows<BITS, 3, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
+        default: tiled_rows<BITS, 4, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
       }
       r += n;
     }
 }
 
-template <int BITS>
+template <int BITS, int D>
 void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
                      int64_t begin, int64_t end) {
   const int64_t t0 = begin / kTile, t1 = end / kTile;
-  const int64_t streams = xd.rows == 1 ? 4 : xd.rows == 2 ? 2 : 1, stride = (t1 - t0) / streams;
-  for (int64_t t = t0; streams > 1 && t < t0 + stride; ++t) {
-    if (streams == 4) tiled_all_rows<BITS, 4>(p, xd, bias, y, out_stride, t, stride);
-    else tiled_all_rows<BITS, 2>(p, xd, bias, y, out_stride, t, stride);
+  if (xd.rows > 2) {  // int8: two neighbouring tiles at once; int4 (its nibbles unpacked too): one
+    int64_t t = t0;
+    if constexpr (BITS == 8)
+      for (; t + 2 <= t1; t += 2) tiled_all_rows<BITS, 2, D>(p, xd, bias, y, out_stride, t, 1);
+    for (; t < t1; ++t) tiled_all_rows<BITS, 1, D>(p, xd, bias, y, out_stride, t, 0);
+    return;
   }
-  for (int64_t t = streams > 1 ? t0 + streams * stride : t0; t < t1; ++t)
-    tiled_all_rows<BITS, 1>(p, xd, bias, y, out_stride, t, 0);
+  const int64_t streams = xd.rows == 1 ? 4 : 2, stride = (t1 - t0) / streams;
+  for (int64_t t = t0; t < t0 + stride; ++t) {
+    if (streams == 4) tiled_all_rows<BITS, 4, D>(p, xd, bias, y, out_stride, t, stride);
+    else tiled_all_rows<BITS, 2, D>(p, xd, bias, y, out_stride, t, stride);
+  }
+  for (int64_t t = t0 + streams * stride; t < t1; ++t) tiled_all_rows<BITS, 1, D>(p, xd, bias, y, out_stride, t, 0);
 }
 
 // Output features [begin, end) (multiples of 16) of a tiled weight against every row of xd.
@@ -264,8 +284,13 @@ void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, floa
 // take a tile at a time, so that it is read from memory once and from cache by the others.
 inline void tiled_band(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
                        int64_t begin, int64_t end) {
-  if (p.bits == 8) tiled_band_bits<8>(p, xd, bias, y, out_stride, begin, end);
-  else tiled_band_bits<4>(p, xd, bias, y, out_stride, begin, end);
+  if (xd.digits == 3) {
+    if (p.bits == 8) tiled_band_bits<8, 3>(p, xd, bias, y, out_stride, begin, end);
+    else tiled_band_bits<4, 3>(p, xd, bias, y, out_stride, begin, end);
+  } else {
+    if (p.bits == 8) tiled_band_bits<8, 2>(p, xd, bias, y, out_stride, begin, end);
+    else tiled_band_bits<4, 2>(p, xd, bias, y, out_stride, begin, end);
+  }
 }
 
 // Rows [begin, end) (multiples of 16) of a tiled weight dequantized into w (float32
