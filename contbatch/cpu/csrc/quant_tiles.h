@@ -126,7 +126,8 @@ inline void make_digits(const float* x, int64_t rows, int64_t in, int digits, XD
 
 // One block (32 inputs) of O tiles against R rows of D digits: a[o][r][k] += codes . digit k.
 // Each broadcast quad of digits serves the O tiles' code vectors before the next is loaded.
-template <int BITS, int R, int O, int D>
+// WIDE: int4 tiles unpacked to a byte a code (unpack_tile), read as int8 tiles with no flip.
+template <int BITS, int R, int O, int D, bool WIDE = false>
 inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64_t r0, int64_t b,
                        __m512i (&a)[O][R][3]) {
   const int64_t in = xd.in;
@@ -144,8 +145,8 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
       }
   };
   __m512i w[O];
-  if constexpr (BITS == 8) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (BITS == 8 || WIDE) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(BITS == 8 ? 0x80 : 0));
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
       const int64_t v = b * 8 + q;
@@ -169,6 +170,17 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
   }
 }
 
+// An int4 tile's codes (`bytes` of them, two a byte) as one byte a code in the int8 tiles'
+// layout: vector u's low nibbles (inputs 8u..8u+3) become vector 2u, its high ones vector 2u + 1.
+inline void unpack_tile(const uint8_t* codes, int64_t bytes, uint8_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t u = 0; u < bytes / 64; ++u) {
+    const __m512i v = _mm512_loadu_si512(codes + u * 64);
+    _mm512_storeu_si512(out + 2 * u * 64, _mm512_and_si512(v, nibble));
+    _mm512_storeu_si512(out + (2 * u + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+  }
+}
+
 inline __m512 load_fields(const at::Half* fields) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
 }
@@ -176,15 +188,15 @@ inline __m512 load_fields(const at::Half* fields) {
 // O tiles, t + q * stride for q < O, of a tiled weight against rows [r0, r0 + R) of x's
 // digits; outputs into y (row r at y + r * out_stride). The O tiles are O streams of codes
 // read from different stretches of the band at once, which the memory keeps busier than one.
-template <int BITS, int R, int O, int D>
+template <int BITS, int R, int O, int D, bool WIDE = false>
 void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bias, float* y, int64_t out_stride,
-                int64_t t, int64_t stride) {
+                int64_t t, int64_t stride, const uint8_t* wide = nullptr) {
   const int64_t groups = p.groups(), per_group = p.group / 32, tile_bytes = kTile * p.row_bytes();
   const uint8_t* tile[O];
   __m512 acc[O][R];
 #pragma GCC unroll 4
   for (int o = 0; o < O; ++o) {
-    tile[o] = p.codes + (t + o * stride) * tile_bytes;
+    tile[o] = WIDE ? wide + o * 2 * tile_bytes : p.codes + (t + o * stride) * tile_bytes;
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
@@ -207,7 +219,7 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
           for (int o = 0; o < O; ++o) a[o][r][k] = start;
         }
       }
-      block_dots<BITS, R, O, D>(tile, xd, r0, b, a);
+      block_dots<BITS, R, O, D, WIDE>(tile, xd, r0, b, a);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t c = (r0 + r) * xd.blocks + b;
@@ -237,9 +249,9 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 
 // Tile t (and O - 1 more, `stride` apart) against every row of xd: one row four streams, two
 // rows two, more one stream four rows at a time (the digits' accumulators fill the registers).
-template <int BITS, int O, int D>
+template <int BITS, int O, int D, bool WIDE = false>
 void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride, int64_t t,
-                    int64_t stride) {
+                    int64_t stride, const uint8_t* wide = nullptr) {
   if (xd.rows == 1) return tiled_rows<BITS, 1, O, D>(p, xd, 0, bias, y, out_stride, t, stride);
   if (xd.rows == 2) {
     constexpr int O2 = O < 2 ? O : 2;
@@ -251,10 +263,10 @@ void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float
       const int64_t n = std::min<int64_t>(4, xd.rows - r);
       float* yr = y + r * out_stride;
       switch (n) {
-        case 1: tiled_rows<BITS, 1, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
-        case 2: tiled_rows<BITS, 2, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
-        case 3: tiled_rows<BITS, 3, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
-        default: tiled_rows<BITS, 4, O, D>(p, xd, r, bias, yr, out_stride, t, stride); break;
+        case 1: tiled_rows<BITS, 1, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        case 2: tiled_rows<BITS, 2, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        case 3: tiled_rows<BITS, 3, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        default: tiled_rows<BITS, 4, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
       }
       r += n;
     }
@@ -264,11 +276,23 @@ template <int BITS, int D>
 void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
                      int64_t begin, int64_t end) {
   const int64_t t0 = begin / kTile, t1 = end / kTile;
-  if (xd.rows > 2) {  // int8: two neighbouring tiles at once; int4 (its nibbles unpacked too): one
-    int64_t t = t0;
-    if constexpr (BITS == 8)
+  if (xd.rows > 2) {  // two neighbouring tiles at once; int4 unpacked to bytes first, once for all rows
+    if constexpr (BITS == 4) {
+      const int64_t tile_bytes = kTile * p.row_bytes();
+      static thread_local std::vector<uint8_t> wide;
+      wide.resize(4 * tile_bytes);
+      for (int64_t t = t0; t < t1; t += 2) {
+        const int64_t n = std::min<int64_t>(2, t1 - t);
+        for (int64_t o = 0; o < n; ++o)
+          unpack_tile(p.codes + (t + o) * tile_bytes, tile_bytes, wide.data() + o * 2 * tile_bytes);
+        if (n == 2) tiled_all_rows<BITS, 2, D, true>(p, xd, bias, y, out_stride, t, 1, wide.data());
+        else tiled_all_rows<BITS, 1, D, true>(p, xd, bias, y, out_stride, t, 0, wide.data());
+      }
+    } else {
+      int64_t t = t0;
       for (; t + 2 <= t1; t += 2) tiled_all_rows<BITS, 2, D>(p, xd, bias, y, out_stride, t, 1);
-    for (; t < t1; ++t) tiled_all_rows<BITS, 1, D>(p, xd, bias, y, out_stride, t, 0);
+      if (t < t1) tiled_all_rows<BITS, 1, D>(p, xd, bias, y, out_stride, t, 0);
+    }
     return;
   }
   const int64_t streams = xd.rows == 1 ? 4 : 2, stride = (t1 - t0) / streams;
