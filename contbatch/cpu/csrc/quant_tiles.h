@@ -248,7 +248,8 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 }
 
 // Tile t (and O - 1 more, `stride` apart) against every row of xd: one row four streams, two
-// rows two, more one stream four rows at a time (the digits' accumulators fill the registers).
+// rows two, more rows four at a time against one or two tiles (their sums fill the registers);
+// WIDE tiles are read from `wide` (unpack_tile) instead of the weight.
 template <int BITS, int O, int D, bool WIDE = false>
 void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride, int64_t t,
                     int64_t stride, const uint8_t* wide = nullptr) {
@@ -305,7 +306,8 @@ void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, floa
 
 // Output features [begin, end) (multiples of 16) of a tiled weight against every row of xd.
 // One or two rows read four or two stretches of the band at once (tiled_rows); more rows
-// take a tile at a time, so that it is read from memory once and from cache by the others.
+// take two tiles at a time, so that they are read from memory once and from cache by the
+// other rows (int4 tiles unpacked to a byte a code first).
 inline void tiled_band(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
                        int64_t begin, int64_t end) {
   if (xd.digits == 3) {
