@@ -24,8 +24,8 @@
 // two: exact for every input within 2^-7 of the block's largest, the others within 2^-15 of it,
 // and 2^8 D1 + D0 formed with one rounding. A third of the dot products fewer; the output is
 // rounded to bfloat16 (2^-9 of it) after. Float32 models never take this path: their
-// massive activations make a block's smaller inputs lose bits that float32 keeps (the default
-// model's logits 2.9e-2 from float64 with two digits for float32 x, 1.7e-4 with three).
+// massive activations make a block's smaller inputs lose bits that float32 keeps (measured in
+// docs/cpu.md).
 //
 // Against the float path's weight rebuilt as code x scale: the same products up to these
 // roundings, about as far from F.linear on the dequantized weight as another summation order.
@@ -66,8 +66,8 @@ struct XDigits {
 };
 
 template <int D>
-void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1, int32_t* c2,
-                   float* step, float* sum) {
+void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
+                   int32_t* c2, float* step, float* sum) {
   constexpr int bits = 8 * D - 2;  // |X| < 2^bits: the top digit stays within a signed byte
   const __m512i half = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
   for (int64_t b = 0; b < in / 32; ++b) {
@@ -146,12 +146,15 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
   };
   __m512i w[O];
   if constexpr (BITS == 8 || WIDE) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(BITS == 8 ? 0x80 : 0));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
       const int64_t v = b * 8 + q;
 #pragma GCC unroll 4
-      for (int o = 0; o < O; ++o) w[o] = _mm512_xor_si512(_mm512_loadu_si512(tile[o] + v * 64), flip);
+      for (int o = 0; o < O; ++o) {
+        w[o] = _mm512_loadu_si512(tile[o] + v * 64);
+        if constexpr (BITS == 8) w[o] = _mm512_xor_si512(w[o], flip);  // unpacked int4 codes are unsigned
+      }
       dots(4 * v, w);
     }
   } else {
@@ -256,7 +259,8 @@ void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float
   if (xd.rows == 1) return tiled_rows<BITS, 1, O, D>(p, xd, 0, bias, y, out_stride, t, stride);
   if (xd.rows == 2) {
     constexpr int O2 = O < 2 ? O : 2;
-    for (int64_t o = 0; o < O; o += O2) tiled_rows<BITS, 2, O2, D>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
+    for (int64_t o = 0; o < O; o += O2)
+      tiled_rows<BITS, 2, O2, D>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
     return;
   }
   if constexpr (O <= 2)  // more rows: at most two tiles at once (4 x 3 x 2 sums fill the registers)
