@@ -109,3 +109,27 @@ def test_tiled_weights_need_whole_tiles():
     packed = quantize(torch.randn(48, 64), FORMATS["Q8_0"])
     with pytest.raises(ValueError, match="multiple of 16"):
         type(packed)(QuantFormat(8, 32, "Q8_0", tiled=True), packed.codes[:40], packed.scales[:40], None, 40, 64)
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 40, 300])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_tiled_linears_of_one_input_in_one_call_equal_each_alone(rows, threads):
+    """`quant_linears` hands the output features of several tiled linears out in units over
+    the threads (odd tile counts, so units straddle linears): every output equals
+    `quant_linear`'s on its own weight bit for bit, float32 and bfloat16 x, at any thread count."""
+    torch.manual_seed(rows)
+    layers = [(tile(quantize(torch.randn(out, 256), FORMATS[name])), bias)
+              for out, name, bias in ((48, "Q8_0", torch.randn(48)), (208, "int4", None), (80, "int8", None),
+                                      (16, "int4-g128", torch.randn(16)))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 256).to(dtype)
+            got = ops.quant_linears(x, [(p.codes, p.scales, p.mins, b, p.fmt.op_bits, p.fmt.group) for p, b in layers])
+            for (p, b), y in zip(layers, got):
+                alone = ops.quant_linear(x, p.codes, p.scales, p.mins, b, p.fmt.op_bits, p.fmt.group)
+                assert y.dtype == dtype and torch.equal(y, alone)
+    finally:
+        torch.set_num_threads(before)

@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string_view>
 #include <vector>
 
@@ -50,6 +51,7 @@ constexpr int64_t kChunkedRows = 64;
 // dequantizing into oneDNN's GEMM at 128-512 rows too (docs/cpu.md), and x's digits stay small.
 constexpr int64_t kTiledRows = 512;
 constexpr int64_t kSubBand = 16;  // output features whose codes the row chunks share from L1
+constexpr int64_t kUnitsPerThread = 8;  // units of output features per thread and call, many rows (few_rows)
 
 
 Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t format,
@@ -137,11 +139,14 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   const bool all_tiled = std::all_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
   const int64_t most = all_tiled ? std::max(kTiledRows, kChunkedRows) : kChunkedRows;
   TORCH_CHECK(rows >= 1 && rows <= most, "quant_linears takes 1 to ", most, " rows, got ", rows);
-  const at::Tensor x = input.reshape({rows, in}).to(at::kFloat).contiguous();
+  // float32 x for the row layout's kernels; tiled weights read bfloat16 x as it is (make_digits)
+  const bool bf16_digits = all_tiled && input.scalar_type() == at::kBFloat16;
+  const at::Tensor x = input.reshape({rows, in}).to(bf16_digits ? at::kBFloat16 : at::kFloat).contiguous();
+  const at::TensorOptions out_options = x.options().dtype(at::kFloat);
   std::vector<at::Tensor> ys(n);
   std::vector<int64_t> first(n + 1, 0);  // the outputs of linear i are [first[i], first[i + 1]) end to end
   for (int64_t i = 0; i < n; ++i) {
-    ys[i] = at::empty({rows, ps[i].out}, x.options());
+    ys[i] = at::empty({rows, ps[i].out}, out_options);
     first[i + 1] = first[i] + ps[i].out;
   }
   // More than kMaxRows rows: in chunks of at most kMaxRows (as even as they go), every chunk
@@ -149,7 +154,7 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   // are read from memory once and from L1 by the other chunks.
   const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t sub_band = chunks == 1 ? first[n] : kSubBand;
-  const float* xp = x.data_ptr<float>();
+  const float* xp = bf16_digits ? nullptr : x.data_ptr<float>();
 #if defined(CONTBATCH_QUANT_TILES)
   // x as integer digits once for every tiled linear of the call (quant_tiles.h)
   // (a reference: the pool's threads read the calling thread's digits, not their own)
@@ -157,10 +162,11 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   XDigits& xd = digits;
   // bfloat16 x (8 significant bits) in two digits, float32 in three (quant_tiles.h)
   const int x_digits = input.scalar_type() == at::kBFloat16 ? 2 : 3;
-  if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; }))
+  if (bf16_digits) make_digits(x.data_ptr<c10::BFloat16>(), rows, in, x_digits, xd);
+  else if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; }))
     make_digits(xp, rows, in, x_digits, xd);
 #endif
-  at::parallel_for(0, first[n], 16, [&](int64_t begin, int64_t end) {
+  auto band_of_call = [&](int64_t begin, int64_t end) {
     for (int64_t i = 0; i < n; ++i) {
       const float* bp = biases[i].defined() ? biases[i].data_ptr<float>() : nullptr;
       float* yp = ys[i].data_ptr<float>();
@@ -179,6 +185,23 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
           pick(r)(ps[i], xp + r0 * in, bp, yp + r0 * ps[i].out, ps[i].out, s, std::min(hi, s + sub_band));
           r0 += r;
         }
+    }
+  };
+  // The output features are handed out in units on demand (an atomic counter), not as one fixed
+  // share per thread: a thread slowed by other work on its core (the server's event loop,
+  // tokenizing) then takes fewer units instead of holding the whole team at the region's end.
+  // Units are whole pairs of tiles, several per thread where many rows make a unit long
+  // arithmetic; one or two rows stream the weights, whose reads are fastest in one long band
+  // per thread (measured: eight units each made a lone decode slower).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_thread = rows > 2 ? kUnitsPerThread : 1;
+  const int64_t unit = std::max<int64_t>(32, (first[n] / (threads * per_thread) + 31) / 32 * 32);
+  const int64_t units = (first[n] + unit - 1) / unit;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, units), 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      const int64_t begin = u * unit, end = std::min(first[n], begin + unit);
+      band_of_call(begin, end);
     }
   });
   for (int64_t i = 0; i < n; ++i) ys[i] = shaped(ys[i], input);

@@ -65,45 +65,108 @@ struct XDigits {
   std::vector<float> step, sum;
 };
 
-template <int D>
-void digits_of_row(const float* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
+// 16 inputs as float32: float32 loaded, bfloat16 widened exactly (its bits are float32's top half)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lane j of the result: op over the 16 lanes of v[j] (a transposing tree: 15 pairs of
+// permutes and one op each, instead of a horizontal reduction per vector).
+template <typename Op>
+inline __m512i reduce16(__m512i (&v)[16], Op op) {
+  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i los[4] = {lo1, lo2, lo3, lo4};
+  const int shift[4] = {8, 4, 2, 1};  // hi = lo + shift
+  int n = 16;
+  for (int level = 0; level < 4; ++level, n /= 2) {
+    const __m512i hi = _mm512_add_epi32(los[level], _mm512_set1_epi32(shift[level]));
+    for (int j = 0; j < n / 2; ++j)
+      v[j] = op(_mm512_permutex2var_epi32(v[2 * j], los[level], v[2 * j + 1]),
+                _mm512_permutex2var_epi32(v[2 * j], hi, v[2 * j + 1]));
+  }
+  return v[0];
+}
+
+// One row's digits, sixteen blocks at a time: the blocks' largest magnitudes, steps and digit
+// sums are reduced and worked out in vector lanes (one lane a block).
+template <int D, typename T>
+void digits_of_row(const T* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
                    int32_t* c2, float* step, float* sum) {
   constexpr int bits = 8 * D - 2;  // |X| < 2^bits: the top digit stays within a signed byte
-  const __m512i half = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
-  for (int64_t b = 0; b < in / 32; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    // max drops NaN lanes, so NaN is tested for on its own (unordered compare of v with itself).
-    const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-    const bool finite = !nan && std::isfinite(top);
-    int e = 0;
-    if (finite) std::frexp(top, &e);  // top < 2^e
-    e = std::max(e, -100);
-    // Non-finite x: the step is NaN, so the block's outputs are NaN as F.linear's would be.
-    step[b] = finite ? std::ldexp(1.0f, e - bits) : NAN;
-    const __m512 inv = _mm512_set1_ps(finite ? std::ldexp(1.0f, bits - e) : 0.0f);
-    __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int h = 0; h < 2; ++h) {
-      __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, inv));  // |X| < 2^bits, nearest
-      int8_t* out[3] = {d0, d1, d2};
-      for (int k = 0; k < D; ++k) {
-        // balanced digit: ((X + 128) & 255) - 128, then X = (X - digit) / 256 exactly
-        const __m512i dig = k < D - 1 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), low), half) : X;
-        sums[k] = _mm512_add_epi32(sums[k], dig);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k] + 32 * b + 16 * h), _mm512_cvtepi32_epi8(dig));
-        X = _mm512_srai_epi32(_mm512_sub_epi32(X, dig), 8);
+  const __m512i half = _mm512_set1_epi32(128), magnitude = _mm512_set1_epi32(0x7fffffff);
+  const auto max_u32 = [](__m512i a, __m512i b) { return _mm512_max_epu32(a, b); };
+  const auto add = [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); };
+  const int64_t blocks = in / 32;
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int nb = static_cast<int>(std::min<int64_t>(16, blocks - b0));
+    const __mmask16 lanes = static_cast<__mmask16>((1u << nb) - 1);
+    // Largest magnitude per block as float32 bits (they order as unsigned integers, and NaN's
+    // lie above infinity's, so a NaN input makes its block non-finite as an infinite one does).
+    __m512i top_v[16];
+    for (int j = 0; j < 16; ++j) {
+      if (j >= nb) { top_v[j] = _mm512_setzero_si512(); continue; }
+      const T* xb = x + 32 * (b0 + j);
+      top_v[j] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(load16(xb)), magnitude),
+                                  _mm512_and_si512(_mm512_castps_si512(load16(xb + 16)), magnitude));
+    }
+    const __m512i top = reduce16(top_v, max_u32);
+    const __m512i field = _mm512_srli_epi32(top, 23);
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(field, _mm512_set1_epi32(255));
+    // frexp's exponent (top < 2^e) from the bits: field - 126 for normal tops; at least -100
+    // (zero and subnormal tops: frexp's 0 for zero kept)
+    __m512i e = _mm512_max_epi32(_mm512_sub_epi32(field, _mm512_set1_epi32(126)), _mm512_set1_epi32(-100));
+    e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(top, _mm512_setzero_si512()), _mm512_setzero_si512());
+    // d = 2^(e - bits), 1 / d = 2^(bits - e), both normal floats; non-finite blocks: d NaN, 1 / d 0
+    const __m512 d = _mm512_mask_mov_ps(_mm512_set1_ps(NAN), finite,
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127 - bits)), 23)));
+    const __m512 inv = _mm512_maskz_mov_ps(finite,
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127 + bits), e), 23)));
+    alignas(64) float inv_of[16];
+    _mm512_store_ps(inv_of, inv);
+    // Balanced digits by carries: digit 0 is X's low byte read as a signed byte, and the rest
+    // are Y = (X + 128) >> 8's the same way (X = d0 + 2^8 Y exactly), the top one whole. Per
+    // block, the sums of X, Y (and Z = (Y + 128) >> 8) give the digit sums.
+    __m512i sx_v[16], sy_v[16], sz_v[16];
+    for (int j = 0; j < 16; ++j) {
+      sx_v[j] = sy_v[j] = sz_v[j] = _mm512_setzero_si512();
+      if (j >= nb) continue;
+      const int64_t b = b0 + j;
+      const __m512 scale = _mm512_set1_ps(inv_of[j]);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = 32 * b + 16 * h;
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + at), scale));  // |X| < 2^bits, nearest
+        const __m512i Y = _mm512_srai_epi32(_mm512_add_epi32(X, half), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d0 + at), _mm512_cvtepi32_epi8(X));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d1 + at), _mm512_cvtepi32_epi8(Y));
+        sx_v[j] = _mm512_add_epi32(sx_v[j], X);
+        sy_v[j] = _mm512_add_epi32(sy_v[j], Y);
+        if constexpr (D == 3) {
+          const __m512i Z = _mm512_srai_epi32(_mm512_add_epi32(Y, half), 8);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d2 + at), _mm512_cvtepi32_epi8(Z));
+          sz_v[j] = _mm512_add_epi32(sz_v[j], Z);
+        }
       }
     }
-    const int32_t s0 = _mm512_reduce_add_epi32(sums[0]), s1 = _mm512_reduce_add_epi32(sums[1]);
-    const int32_t s2 = D == 3 ? _mm512_reduce_add_epi32(sums[2]) : 0;
-    c0[b] = 128 * s0;
-    c1[b] = 128 * s1;
-    c2[b] = 128 * s2;
-    sum[b] = static_cast<float>(65536 * s2 + 256 * s1 + s0) * step[b];  // |X sum| < 2^27
+    const __m512i sx = reduce16(sx_v, add), sy = reduce16(sy_v, add);  // |X sum| < 2^27
+    const __m512i s2 = D == 3 ? reduce16(sz_v, add) : _mm512_setzero_si512();
+    const __m512i s1 = _mm512_sub_epi32(sy, _mm512_slli_epi32(s2, 8));
+    const __m512i s0 = _mm512_sub_epi32(sx, _mm512_slli_epi32(sy, 8));
+    _mm512_mask_storeu_epi32(c0 + b0, lanes, _mm512_slli_epi32(s0, 7));
+    _mm512_mask_storeu_epi32(c1 + b0, lanes, _mm512_slli_epi32(D == 3 ? s1 : sy, 7));
+    _mm512_mask_storeu_epi32(c2 + b0, lanes, _mm512_slli_epi32(s2, 7));
+    _mm512_mask_storeu_ps(step + b0, lanes, d);
+    _mm512_mask_storeu_ps(sum + b0, lanes, _mm512_mul_ps(_mm512_cvtepi32_ps(sx), d));  // the block's sum of X d
   }
 }
 
-inline void make_digits(const float* x, int64_t rows, int64_t in, int digits, XDigits& xd) {
+// x [rows, in] (float32 or bfloat16) as xd's digits
+template <typename T>
+void make_digits(const T* x, int64_t rows, int64_t in, int digits, XDigits& xd) {
   xd.digits = digits;
   xd.rows = rows;
   xd.in = in;
@@ -117,7 +180,7 @@ inline void make_digits(const float* x, int64_t rows, int64_t in, int digits, XD
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * in, c = r * xd.blocks;
-      auto row = digits == 3 ? digits_of_row<3> : digits_of_row<2>;
+      auto row = digits == 3 ? digits_of_row<3, T> : digits_of_row<2, T>;
       row(x + o, in, xd.d[0].data() + o, xd.d[1].data() + o, xd.d[2].data() + o, xd.corr[0].data() + c,
           xd.corr[1].data() + c, xd.corr[2].data() + c, xd.step.data() + c, xd.sum.data() + c);
     }
