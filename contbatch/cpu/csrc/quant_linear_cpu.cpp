@@ -137,6 +137,7 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
                                  const std::vector<at::Tensor>& biases) {
   const int64_t in = ps[0].in, rows = input.numel() / in, n = static_cast<int64_t>(ps.size());
   const bool all_tiled = std::all_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
+  [[maybe_unused]] const bool any_tiled = std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
   const int64_t most = all_tiled ? std::max(kTiledRows, kChunkedRows) : kChunkedRows;
   TORCH_CHECK(rows >= 1 && rows <= most, "quant_linears takes 1 to ", most, " rows, got ", rows);
   // float32 x for the row layout's kernels; tiled weights read bfloat16 x as it is (make_digits)
@@ -163,8 +164,7 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   // bfloat16 x (8 significant bits) in two digits, float32 in three (quant_tiles.h)
   const int x_digits = input.scalar_type() == at::kBFloat16 ? 2 : 3;
   if (bf16_digits) make_digits(x.data_ptr<c10::BFloat16>(), rows, in, x_digits, xd);
-  else if (std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; }))
-    make_digits(xp, rows, in, x_digits, xd);
+  else if (any_tiled) make_digits(xp, rows, in, x_digits, xd);
 #endif
   auto band_of_call = [&](int64_t begin, int64_t end) {
     for (int64_t i = 0; i < n; ++i) {

@@ -121,7 +121,8 @@ void digits_of_row(const T* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, i
     // (zero and subnormal tops: frexp's 0 for zero kept)
     __m512i e = _mm512_max_epi32(_mm512_sub_epi32(field, _mm512_set1_epi32(126)), _mm512_set1_epi32(-100));
     e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(top, _mm512_setzero_si512()), _mm512_setzero_si512());
-    // d = 2^(e - bits), 1 / d = 2^(bits - e), both normal floats; non-finite blocks: d NaN, 1 / d 0
+    // d = 2^(e - bits), 1 / d = 2^(bits - e), both normal floats; a non-finite block: d NaN and
+    // 1 / d 0, so its outputs are NaN as F.linear's would be
     const __m512 d = _mm512_mask_mov_ps(_mm512_set1_ps(NAN), finite,
         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127 - bits)), 23)));
     const __m512 inv = _mm512_maskz_mov_ps(finite,
