@@ -65,13 +65,6 @@ struct XDigits {
   std::vector<float> step, sum;
 };
 
-// 16 inputs as float32: float32 loaded, bfloat16 widened exactly (its bits are float32's top half)
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Lane j of the result: op over the 16 lanes of v[j] (a transposing tree: 15 pairs of
 // permutes and one op each, instead of a horizontal reduction per vector).
 template <typename Op>
@@ -93,7 +86,8 @@ inline __m512i reduce16(__m512i (&v)[16], Op op) {
 }
 
 // One row's digits, sixteen blocks at a time: the blocks' largest magnitudes, steps and digit
-// sums are reduced and worked out in vector lanes (one lane a block).
+// sums are reduced and worked out in vector lanes (one lane a block). x is float32 or bfloat16
+// (vec.h's load16 widens it exactly).
 template <int D, typename T>
 void digits_of_row(const T* x, int64_t in, int8_t* d0, int8_t* d1, int8_t* d2, int32_t* c0, int32_t* c1,
                    int32_t* c2, float* step, float* sum) {
