@@ -10,10 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from contbatch.cpu import native, ops
-from contbatch.cpu.quant.format import QuantFormat, dequantize, format_for, quantize, tile, untile
+from contbatch.cpu.quant.format import PackedWeight, QuantFormat, dequantize, format_for, quantize, tile, untile
 
 FORMATS = {"int8": format_for("int8", 256), "Q8_0": QuantFormat(8, 32, "Q8_0"), "int4": format_for("int4", 256),
-           "int4-g128": format_for("int4-g128", 256)}
+           "int4-g128": format_for("int4-g128", 256), "Q4_0": QuantFormat(4, 32, "Q4_0")}
+
+
+def quantized(w: torch.Tensor, name: str) -> PackedWeight:
+    """w in format `name`; Q4_0 as a GGUF file holds it: every min -8 x its scale (symmetric)."""
+    packed = quantize(w, FORMATS[name])
+    if name == "Q4_0":
+        packed.mins = (packed.scales.float() * -8).half()
+    return packed
+
+
 needs_tiles = pytest.mark.skipif(not (native.load()[0] and ops.quant_tiles_available()),
                                  reason="needs the C++ kernels with AVX-512 VNNI")
 
@@ -21,19 +31,20 @@ needs_tiles = pytest.mark.skipif(not (native.load()[0] and ops.quant_tiles_avail
 @pytest.mark.parametrize("name", FORMATS)
 def test_tile_round_trips_and_looks_up_rows_as_the_row_layout(name):
     torch.manual_seed(0)
-    packed = quantize(torch.randn(48, 256), FORMATS[name])
+    packed = quantized(torch.randn(48, 256), name)
     tiled = tile(packed)
     assert tiled.fmt.tiled and tiled.nbytes == packed.nbytes
+    assert tiled.fmt.symmetric == (name == "Q4_0")  # its mins are -8 x its scales: the kernels fold them in
     assert tiled.codes.shape == packed.codes.shape and not torch.equal(tiled.codes, packed.codes)
     back = untile(tiled)
-    assert not back.fmt.tiled
+    assert not back.fmt.tiled and not back.fmt.symmetric and back.fmt.op_bits == packed.fmt.bits
     for a, b in ((back.codes, packed.codes), (back.scales, packed.scales), (back.mins, packed.mins)):
         assert (a is None and b is None) or torch.equal(a, b)
     assert torch.equal(dequantize(tiled), dequantize(packed))
     ids = torch.tensor([0, 17, 47, 5, 17, 16])
     got, want = tiled.rows(ids), packed.rows(ids)
     assert torch.equal(dequantize(got), dequantize(want)) and torch.equal(got.codes, want.codes)
-    assert tile(quantize(torch.randn(40, 256), FORMATS[name])).fmt.tiled is False  # not a multiple of 16
+    assert tile(quantized(torch.randn(40, 256), name)).fmt.tiled is False  # not a multiple of 16
 
 
 @needs_tiles
@@ -45,7 +56,7 @@ def test_tiled_kernel_within_its_bound_of_linear_on_dequantized_weights(name, ro
     accumulation; an outlier input (a transformer's massive activations) makes d coarse for its
     block, which the bound follows. Every row count runs them (600: two calls of at most 512)."""
     torch.manual_seed(rows)
-    packed = tile(quantize(torch.randn(96, 256), FORMATS[name]))
+    packed = tile(quantized(torch.randn(96, 256), name))
     w = dequantize(packed).double()
     x = torch.randn(rows, 256) * torch.rand(rows, 256) ** 4
     x[:, 37] = 3e3  # one outlier input in block 1
@@ -72,7 +83,7 @@ def test_tiled_kernel_takes_bfloat16_inputs_in_two_digits(name, rows):
     power of two: exact for every input within 2^-7 of its block's largest, the rest within
     d / 2; the output is rounded to bfloat16 (2^-9 of it), which the bound adds."""
     torch.manual_seed(rows)
-    packed = tile(quantize(torch.randn(96, 256), FORMATS[name]))
+    packed = tile(quantized(torch.randn(96, 256), name))
     w = dequantize(packed).double()
     x = (torch.randn(rows, 256) * torch.rand(rows, 256) ** 4).bfloat16()
     x[:, 37] = 3e3
@@ -92,11 +103,11 @@ def test_tiled_kernel_takes_bfloat16_inputs_in_two_digits(name, rows):
 
 
 @needs_tiles
-@pytest.mark.parametrize("fmt", ["Q8_0", "int4"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "int4", "Q4_0"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("rows", [3, 40])
 def test_tiled_kernel_passes_non_finite_inputs_on(fmt, bad, rows):
-    packed = tile(quantize(torch.randn(32, 64), FORMATS[fmt]))
+    packed = tile(quantized(torch.randn(32, 64), fmt))
     x = torch.randn(rows, 64)
     x[1, 37] = bad
     y = ops.quant_linear(x, packed.codes, packed.scales, packed.mins, None, packed.fmt.op_bits, packed.fmt.group)
@@ -119,9 +130,9 @@ def test_tiled_linears_of_one_input_in_one_call_equal_each_alone(rows, threads):
     the threads (odd tile counts, so units straddle linears): every output equals
     `quant_linear`'s on its own weight bit for bit, float32 and bfloat16 x, at any thread count."""
     torch.manual_seed(rows)
-    layers = [(tile(quantize(torch.randn(out, 256), FORMATS[name])), bias)
+    layers = [(tile(quantized(torch.randn(out, 256), name)), bias)
               for out, name, bias in ((48, "Q8_0", torch.randn(48)), (208, "int4", None), (80, "int8", None),
-                                      (16, "int4-g128", torch.randn(16)))]
+                                      (16, "int4-g128", torch.randn(16)), (112, "Q4_0", torch.randn(112)))]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

@@ -29,6 +29,7 @@ struct Packed {
   const at::Half* mins;  // int4 only
   int64_t in, group, bits, out;
   bool tiled = false;  // codes, scales and mins in 16-output tiles (quant_tiles.h)
+  bool symmetric = false;  // tiled int4 with every min -8 x its scale (quant_tiles.h's kSymmetricFlag)
   // float32 copies of the scales (and mins) of rows [f0, ...) that the kernels read (in_pieces)
   const float* fscales = nullptr;
   const float* fmins = nullptr;

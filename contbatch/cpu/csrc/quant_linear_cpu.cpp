@@ -56,9 +56,10 @@ constexpr int64_t kUnitsPerThread = 8;  // units of output features per thread a
 
 Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t format,
              int64_t group, const char* op) {
-  const bool tiled = (format & kTiledFlag) != 0;
-  const int64_t bits = format & ~kTiledFlag;
+  const bool tiled = (format & kTiledFlag) != 0, symmetric = (format & kSymmetricFlag) != 0;
+  const int64_t bits = format & ~(kTiledFlag | kSymmetricFlag);
   TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(!symmetric || (tiled && bits == 4), op, ": the symmetric flag is for tiled int4 weights");
 #if defined(CONTBATCH_QUANT_TILES)
   TORCH_CHECK(!tiled || (codes.dim() == 2 && codes.size(0) % kTile == 0), op,
               ": tiled weights have a multiple of ", kTile, " output features");
@@ -84,6 +85,7 @@ Packed check(const at::Tensor& codes, const at::Tensor& scales, const c10::optio
   Packed p{static_cast<const uint8_t*>(codes.data_ptr()),
            scales.data_ptr<at::Half>(), has_mins ? mins->data_ptr<at::Half>() : nullptr, in, group, bits, out};
   p.tiled = tiled;
+  p.symmetric = symmetric;
   return p;
 }
 

@@ -15,10 +15,13 @@
 // block's largest value per input, below what float32 accumulation of the same products rounds
 // away in any order. X is split into three signed bytes (X = 2^16 x2 + 2^8 x1 + x0), each
 // product code x digit is exact in int32, and a block's value 2^16 D2 + 2^8 D1 + D0 is formed
-// with two roundings; then times d and the group's scale, accumulated in float32 (int4 adds the
-// group's min times the block's sum of X d). VNNI multiplies unsigned by signed bytes: int8
-// codes are read with their sign bit flipped (code + 128) and 128 x (the block's digit sum)
-// taken off, exactly; int4 codes are unsigned already.
+// with two roundings (int8), or exactly in int32 and rounded once (int4: codes below 16 keep
+// it under 2^31); then times d and the group's scale, accumulated in float32 (int4 adds the
+// group's min times the block's sum of X d, except a symmetric weight, min = -8 x scale as in
+// Q4_0, whose integer sums start at -8 x the digit sums: products of (code - 8) and X, no min
+// product). VNNI multiplies unsigned by signed bytes: int8 codes are read with their sign bit
+// flipped (code + 128) and 128 x (the block's digit sum) taken off, exactly; int4 codes are
+// unsigned already.
 //
 // bfloat16 x (8 significant bits) takes two digits, d 2^-14 of the block's largest power of
 // two: exact for every input within 2^-7 of the block's largest, the others within 2^-15 of it,
@@ -51,6 +54,8 @@ namespace contbatch_quant {
 
 constexpr int64_t kTile = 16;      // output features a tile
 constexpr int64_t kTiledFlag = 256;  // `bits | kTiledFlag`: the op's format word of a tiled weight
+// `| kSymmetricFlag`: a tiled int4 weight whose every min is -8 x its scale (Q4_0)
+constexpr int64_t kSymmetricFlag = 512;
 
 #if defined(CONTBATCH_QUANT_TILES)
 
@@ -249,9 +254,10 @@ inline __m512 load_fields(const at::Half* fields) {
 // O tiles, t + q * stride for q < O, of a tiled weight against rows [r0, r0 + R) of x's
 // digits; outputs into y (row r at y + r * out_stride). The O tiles are O streams of codes
 // read from different stretches of the band at once, which the memory keeps busier than one.
-template <int BITS, int R, int O, int D, bool WIDE = false>
+template <int BITS, int R, int O, int D, bool WIDE = false, bool SYM = false>
 void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bias, float* y, int64_t out_stride,
                 int64_t t, int64_t stride, const uint8_t* wide = nullptr) {
+  constexpr bool kMins = BITS == 4 && !SYM;  // a symmetric weight's min is in its integer sums
   const int64_t groups = p.groups(), per_group = p.group / 32, tile_bytes = kTile * p.row_bytes();
   const uint8_t* tile[O];
   __m512 acc[O][R];
@@ -265,17 +271,20 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 #pragma GCC unroll 4
     for (int o = 0; o < O; ++o) {
       scale[o] = load_fields(p.scales + ((t + o * stride) * groups + g) * kTile);
-      if constexpr (BITS == 4) min[o] = load_fields(p.mins + ((t + o * stride) * groups + g) * kTile);
+      if constexpr (kMins) min[o] = load_fields(p.mins + ((t + o * stride) * groups + g) * kTile);
     }
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      // int8: the sums start at minus the flipped codes' excess, 128 x each digit's sum; int4: 0
+      // int8: the sums start at minus the flipped codes' excess, 128 x each digit's sum;
+      // symmetric int4: at -8 x each digit's sum (the sums are then of (code - 8) x digit); int4: 0
       __m512i a[O][R][3];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t c = (r0 + r) * xd.blocks + b;
 #pragma GCC unroll 3
         for (int k = 0; k < D; ++k) {
-          const __m512i start = BITS == 8 ? _mm512_set1_epi32(-xd.corr[k][c]) : _mm512_setzero_si512();
+          const __m512i start = BITS == 8 ? _mm512_set1_epi32(-xd.corr[k][c])
+                                : SYM   ? _mm512_set1_epi32(-(xd.corr[k][c] >> 4))
+                                        : _mm512_setzero_si512();
 #pragma GCC unroll 4
           for (int o = 0; o < O; ++o) a[o][r][k] = start;
         }
@@ -288,14 +297,17 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 #pragma GCC unroll 4
         for (int o = 0; o < O; ++o) {
           __m512 block;
-          if constexpr (D == 3) {  // |2^8 D2 + D1| < 2^27: exact in int32; two roundings
+          if constexpr (D == 3 && BITS == 4) {  // int4 codes (0..15, or -8..7): |2^16 D2 + 2^8 D1 + D0| < 2^31
+            const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(a[o][r][2], 16), _mm512_slli_epi32(a[o][r][1], 8));
+            block = _mm512_cvtepi32_ps(_mm512_add_epi32(hi, a[o][r][0]));  // exact in int32, one rounding
+          } else if constexpr (D == 3) {  // |2^8 D2 + D1| < 2^27: exact in int32; two roundings
             const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(a[o][r][2], 8), a[o][r][1]);
             block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a[o][r][0]));
           } else {  // |2^8 D1 + D0| < 2^28: exact in int32, one rounding
             block = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a[o][r][1], 8), a[o][r][0]));
           }
           acc[o][r] = _mm512_fmadd_ps(block, _mm512_mul_ps(scale[o], step), acc[o][r]);
-          if constexpr (BITS == 4) acc[o][r] = _mm512_fmadd_ps(min[o], _mm512_set1_ps(xd.sum[c]), acc[o][r]);
+          if constexpr (kMins) acc[o][r] = _mm512_fmadd_ps(min[o], _mm512_set1_ps(xd.sum[c]), acc[o][r]);
         }
       }
     }
@@ -311,14 +323,14 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
 // Tile t (and O - 1 more, `stride` apart) against every row of xd: one row four streams, two
 // rows two, more rows four at a time against one or two tiles (their sums fill the registers);
 // WIDE tiles are read from `wide` (unpack_tile) instead of the weight.
-template <int BITS, int O, int D, bool WIDE = false>
+template <int BITS, int O, int D, bool WIDE = false, bool SYM = false>
 void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride, int64_t t,
                     int64_t stride, const uint8_t* wide = nullptr) {
-  if (xd.rows == 1) return tiled_rows<BITS, 1, O, D>(p, xd, 0, bias, y, out_stride, t, stride);
+  if (xd.rows == 1) return tiled_rows<BITS, 1, O, D, false, SYM>(p, xd, 0, bias, y, out_stride, t, stride);
   if (xd.rows == 2) {
     constexpr int O2 = O < 2 ? O : 2;
     for (int64_t o = 0; o < O; o += O2)
-      tiled_rows<BITS, 2, O2, D>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
+      tiled_rows<BITS, 2, O2, D, false, SYM>(p, xd, 0, bias, y, out_stride, t + o * stride, stride);
     return;
   }
   if constexpr (O <= 2)  // more rows: at most two tiles at once (4 x 3 x 2 sums fill the registers)
@@ -326,16 +338,16 @@ void tiled_all_rows(const Packed& p, const XDigits& xd, const float* bias, float
       const int64_t n = std::min<int64_t>(4, xd.rows - r);
       float* yr = y + r * out_stride;
       switch (n) {
-        case 1: tiled_rows<BITS, 1, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
-        case 2: tiled_rows<BITS, 2, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
-        case 3: tiled_rows<BITS, 3, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
-        default: tiled_rows<BITS, 4, O, D, WIDE>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        case 1: tiled_rows<BITS, 1, O, D, WIDE, SYM>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        case 2: tiled_rows<BITS, 2, O, D, WIDE, SYM>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        case 3: tiled_rows<BITS, 3, O, D, WIDE, SYM>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
+        default: tiled_rows<BITS, 4, O, D, WIDE, SYM>(p, xd, r, bias, yr, out_stride, t, stride, wide); break;
       }
       r += n;
     }
 }
 
-template <int BITS, int D>
+template <int BITS, int D, bool SYM = false>
 void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, float* y, int64_t out_stride,
                      int64_t begin, int64_t end) {
   const int64_t t0 = begin / kTile, t1 = end / kTile;
@@ -348,8 +360,8 @@ void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, floa
         const int64_t n = std::min<int64_t>(2, t1 - t);
         for (int64_t o = 0; o < n; ++o)
           unpack_tile(p.codes + (t + o) * tile_bytes, tile_bytes, wide.data() + o * 2 * tile_bytes);
-        if (n == 2) tiled_all_rows<BITS, 2, D, true>(p, xd, bias, y, out_stride, t, 1, wide.data());
-        else tiled_all_rows<BITS, 1, D, true>(p, xd, bias, y, out_stride, t, 0, wide.data());
+        if (n == 2) tiled_all_rows<BITS, 2, D, true, SYM>(p, xd, bias, y, out_stride, t, 1, wide.data());
+        else tiled_all_rows<BITS, 1, D, true, SYM>(p, xd, bias, y, out_stride, t, 0, wide.data());
       }
     } else {
       int64_t t = t0;
@@ -360,10 +372,11 @@ void tiled_band_bits(const Packed& p, const XDigits& xd, const float* bias, floa
   }
   const int64_t streams = xd.rows == 1 ? 4 : 2, stride = (t1 - t0) / streams;
   for (int64_t t = t0; t < t0 + stride; ++t) {
-    if (streams == 4) tiled_all_rows<BITS, 4, D>(p, xd, bias, y, out_stride, t, stride);
-    else tiled_all_rows<BITS, 2, D>(p, xd, bias, y, out_stride, t, stride);
+    if (streams == 4) tiled_all_rows<BITS, 4, D, false, SYM>(p, xd, bias, y, out_stride, t, stride);
+    else tiled_all_rows<BITS, 2, D, false, SYM>(p, xd, bias, y, out_stride, t, stride);
   }
-  for (int64_t t = t0 + streams * stride; t < t1; ++t) tiled_all_rows<BITS, 1, D>(p, xd, bias, y, out_stride, t, 0);
+  for (int64_t t = t0 + streams * stride; t < t1; ++t)
+    tiled_all_rows<BITS, 1, D, false, SYM>(p, xd, bias, y, out_stride, t, 0);
 }
 
 // Output features [begin, end) (multiples of 16) of a tiled weight against every row of xd.
@@ -374,9 +387,11 @@ inline void tiled_band(const Packed& p, const XDigits& xd, const float* bias, fl
                        int64_t begin, int64_t end) {
   if (xd.digits == 3) {
     if (p.bits == 8) tiled_band_bits<8, 3>(p, xd, bias, y, out_stride, begin, end);
+    else if (p.symmetric) tiled_band_bits<4, 3, true>(p, xd, bias, y, out_stride, begin, end);
     else tiled_band_bits<4, 3>(p, xd, bias, y, out_stride, begin, end);
   } else {
     if (p.bits == 8) tiled_band_bits<8, 2>(p, xd, bias, y, out_stride, begin, end);
+    else if (p.symmetric) tiled_band_bits<4, 2, true>(p, xd, bias, y, out_stride, begin, end);
     else tiled_band_bits<4, 2>(p, xd, bias, y, out_stride, begin, end);
   }
 }

@@ -38,6 +38,7 @@ import torch
 BLOCK = 32  # inputs per int4 nibble block (ggml's QK4_0 / QK8_0)
 TILE = 16  # output features a tile of the tiled layout
 TILED_FLAG = 256  # csrc/quant_tiles.h's kTiledFlag
+SYMMETRIC_FLAG = 512  # csrc/quant_tiles.h's kSymmetricFlag
 INT4_GROUPS = (32, 128)
 FORMATS = ("int8", "int4")
 
@@ -50,6 +51,9 @@ class QuantFormat:
     group: int  # inputs sharing one scale (and min); `in_features` for per-channel int8
     source: str  # "int8", "int4-g32", "int4-g128" (quantized here) or a GGUF type ("Q4_1", ...)
     tiled: bool = False  # codes, scales and mins in 16-output tiles (module docstring)
+    # int4 whose every min is -8 x its scale (Q4_0: w = (code - 8) * scale): the tiled kernels
+    # then take the -8 into the integer sums and skip the min's product (set by `tile`)
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -59,8 +63,9 @@ class QuantFormat:
 
     @property
     def op_bits(self) -> int:
-        """The format word the C++ ops take as `bits`: the bits, plus TILED_FLAG for a tiled weight."""
-        return self.bits | (TILED_FLAG if self.tiled else 0)
+        """The format word the C++ ops take as `bits`: the bits, plus TILED_FLAG for a tiled weight
+        and SYMMETRIC_FLAG for a tiled symmetric one."""
+        return self.bits | (TILED_FLAG if self.tiled else 0) | (SYMMETRIC_FLAG if self.tiled and self.symmetric else 0)
 
 
 @dataclass
@@ -146,7 +151,8 @@ def tile(w: PackedWeight) -> PackedWeight:
         rows = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).view(o, i // 2)
     width = rows.shape[1]
     codes = rows.view(o // TILE, TILE, width // 4, 4).permute(0, 2, 1, 3).contiguous().view(o, width)
-    fmt = QuantFormat(w.fmt.bits, w.fmt.group, w.fmt.source, tiled=True)
+    symmetric = w.mins is not None and torch.equal(w.mins, (w.scales.float() * -8).half())
+    fmt = QuantFormat(w.fmt.bits, w.fmt.group, w.fmt.source, tiled=True, symmetric=symmetric)
     return PackedWeight(fmt, codes, _tile_fields(w.scales, o), _tile_fields(w.mins, o), o, i)
 
 
