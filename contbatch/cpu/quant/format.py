@@ -21,7 +21,10 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
   [in / 8][16][4] (byte 64 v + 4 j + k: input 8v + k of output j in the low nibble, 8v + 4 + k
   in the high one), scales and mins as [groups][16]: the integer dot products of
   csrc/quant_tiles.h take 16 outputs at once. `untile` and `PackedWeight.rows` give the row
-  layout back.
+  layout back. An int4 weight whose every min is -8 x its scale (Q4_0) is marked `symmetric`
+  when tiled (SYMMETRIC_FLAG in its format word): the kernels then take the -8 into their
+  integer sums instead of a min product. The flag describes the buffers as tiled; packed
+  buffers are not rewritten in place (`update_weights` refuses quantized models).
 
 The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), the
 fp16 fields widened to float32 exactly and each step rounded: the row layout's kernels rebuild
