@@ -125,17 +125,9 @@ class FusedLayer:
         self._packed = any(fmt for _, fmt in self._formats)
         self.known: set[tuple] = set()  # kinds of step this layer's variant passed the check in
 
-    def weights(self) -> list[torch.Tensor]:
-        return [d[key] for d, key in self._weights]
-
-    def quant(self) -> list[tuple | None]:
-        """Per linear, a packed one's (scales, mins, bits, group) (ops.decoder_stack's `quant`)."""
-        if not self._packed:
-            return [None] * len(self.linears)
-        return [(d["scales"], d["mins"], *fmt) if fmt else None for d, fmt in self._formats]
-
-    def biases(self) -> list[torch.Tensor | None]:
-        return [d.get("bias") for d in self._biases]
+    @functools.cached_property
+    def arguments(self) -> Arguments:
+        return Arguments([self])
 
     def packed(self, regime: int) -> list[torch.Tensor | None]:
         """oneDNN's prepacked copies, for the linears that run oneDNN at this many rows (more
@@ -160,15 +152,49 @@ class FusedLayer:
         return out
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        return one_call([self], self.codes, self.eps, [self.scale], [self.window], hidden, cos, sin, step)
+        return one_call(self.arguments, self.codes, self.eps, [self.scale], [self.window], hidden, cos, sin, step)
 
 
-def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scales: list[float],
+@dataclass(eq=False)
+class Arguments:
+    """The tensors of consecutive layers' norms and linears laid end to end for one call, read
+    from the modules' own dicts at every call (so a replaced tensor is never stale): one flat
+    comprehension a list, not one a layer and list (a small model's lone decode step is short
+    enough for those to show)."""
+
+    layers: list[FusedLayer]
+
+    def __post_init__(self) -> None:
+        self._weights = [ref for f in self.layers for ref in f._weights]
+        self._biases = [d for f in self.layers for d in f._biases]
+        self._formats = [entry for f in self.layers for entry in f._formats]
+        self._packed = any(f._packed for f in self.layers)
+        self._none = [None] * len(self._biases)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [d[key] for d, key in self._weights]
+
+    def biases(self) -> list[torch.Tensor | None]:
+        return [d.get("bias") for d in self._biases]
+
+    def quant(self) -> list[tuple | None] | None:
+        """Per linear, a packed one's (scales, mins, bits, group) (ops.decoder_stack's `quant`);
+        None when no linear is packed."""
+        if not self._packed:
+            return None
+        return [(d["scales"], d["mins"], *fmt) if fmt else None for d, fmt in self._formats]
+
+    def packed(self, regime: int) -> list[torch.Tensor | None]:
+        """oneDNN's prepacked copies per linear (none on one-row steps: FusedLayer.packed)."""
+        return [p for f in self.layers for p in f.packed(regime)] if regime else self._none
+
+
+def one_call(args: Arguments, codes: list[int], eps: list[float], scales: list[float],
              windows: list[int], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              step: StepInputs) -> torch.Tensor:
-    """`layers` (consecutive ones, one or all) as one `decoder_stack` call; `codes`, `eps`,
+    """`args.layers` (consecutive ones, one or all) as one `decoder_stack` call; `codes`, `eps`,
     `scales` and `windows` are theirs, laid end to end."""
-    regime = step.kind[0]
+    regime, layers = step.kind[0], args.layers
     caches = [step.cache.kv(f.layer_idx) for f in layers]
     lora_a = lora_bt = None
     groups = (None, None, None, ())
@@ -178,10 +204,9 @@ def one_call(layers: list[FusedLayer], codes: list[int], eps: list[float], scale
         lora_bt = [None if f is None else f[1] for f in factors]
         groups = (step.lora.rows, step.lora.drop, step.lora.inverse, step.lora.bounds or ())
     return ops.decoder_stack(
-        hidden, [w for f in layers for w in f.weights()], [b for f in layers for b in f.biases()],
-        [p for f in layers for p in f.packed(regime)], codes, eps, cos, sin, [k for k, _ in caches],
+        hidden, args.weights(), args.biases(), args.packed(regime), codes, eps, cos, sin, [k for k, _ in caches],
         [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
-        layers[0].head_dim, lora_a, lora_bt, groups, [q for f in layers for q in f.quant()])
+        layers[0].head_dim, lora_a, lora_bt, groups, args.quant())
 
 
 @dataclass(eq=False)
@@ -201,12 +226,13 @@ class FusedStack:
         self.eps = [e for f in self.layers for e in f.eps]
         self.scales = [f.scale for f in self.layers]
         self.windows = [f.window for f in self.layers]
+        self.arguments = Arguments(self.layers)
 
     def ready(self, step: StepInputs) -> bool:
         return step.kind in self.kinds and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        out = one_call(self.layers, self.codes, self.eps, self.scales, self.windows, hidden, cos, sin, step)
+        out = one_call(self.arguments, self.codes, self.eps, self.scales, self.windows, hidden, cos, sin, step)
         self.done = (step, out)
         return out
 
