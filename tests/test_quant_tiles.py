@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from contbatch.cpu import native, ops
-from contbatch.cpu.quant.format import PackedWeight, QuantFormat, dequantize, format_for, quantize, tile, untile
+from contbatch.cpu.quant.format import (PackedWeight, QuantFormat, dequantize, format_for, quantize, symmetric_mins,
+                                        tile, untile)
 
 FORMATS = {"int8": format_for("int8", 256), "Q8_0": QuantFormat(8, 32, "Q8_0"), "int4": format_for("int4", 256),
            "int4-g128": format_for("int4-g128", 256), "Q4_0": QuantFormat(4, 32, "Q4_0")}
@@ -20,7 +21,7 @@ def quantized(w: torch.Tensor, name: str) -> PackedWeight:
     """w in format `name`; Q4_0 as a GGUF file holds it: every min -8 x its scale (symmetric)."""
     packed = quantize(w, FORMATS[name])
     if name == "Q4_0":
-        packed.mins = (packed.scales.float() * -8).half()
+        packed.mins = symmetric_mins(packed.scales)
     return packed
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..cpu import native, ops
-from ..cpu.quant.format import BLOCK, PackedWeight, QuantFormat, dequantize
+from ..cpu.quant.format import BLOCK, PackedWeight, QuantFormat, dequantize, symmetric_mins
 from ..cpu.quant.linear import QuantLinear
 from .quantize import (QuantSummary, linear_layers, plain_embedding, record, share_tied_table, summary_of, swap,
                        swap_embedding, tied_embedding)
@@ -58,7 +58,7 @@ def packed_from_blocks(kind: str, raw: np.ndarray, out: int, inp: int) -> Packed
     nibbles = blocks[..., 2:] if kind == "Q4_0" else blocks[..., 4:]
     # -8 d is exact in fp16 (a power of two) unless |d| > 8188 overflows it: then the values
     # differ from the file's and the caller's bit-for-bit check keeps the layer float
-    mins = (-8 * d.float()).half() if kind == "Q4_0" else _fp16(blocks, 2)
+    mins = symmetric_mins(d) if kind == "Q4_0" else _fp16(blocks, 2)
     codes = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(out, inp // 2))
     return PackedWeight(QuantFormat(4, BLOCK, kind), codes, d, mins, out, inp)
 

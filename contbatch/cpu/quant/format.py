@@ -137,6 +137,12 @@ def _tile_fields(f: torch.Tensor | None, o: int) -> torch.Tensor | None:
     return None if f is None else f.view(o // TILE, TILE, -1).permute(0, 2, 1).contiguous().view(o, -1)
 
 
+def symmetric_mins(scales: torch.Tensor) -> torch.Tensor:
+    """The fp16 mins of a symmetric int4 weight (Q4_0: w = (code - 8) x scale), -8 x each
+    scale: exact in fp16 (a power of two) unless |scale| > 8188 overflows it."""
+    return (scales.float() * -8).half()
+
+
 def _untile_fields(f: torch.Tensor | None, o: int) -> torch.Tensor | None:
     return None if f is None else f.view(o // TILE, -1, TILE).permute(0, 2, 1).contiguous().view(o, -1)
 
@@ -154,7 +160,7 @@ def tile(w: PackedWeight) -> PackedWeight:
         rows = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).view(o, i // 2)
     width = rows.shape[1]
     codes = rows.view(o // TILE, TILE, width // 4, 4).permute(0, 2, 1, 3).contiguous().view(o, width)
-    symmetric = w.mins is not None and torch.equal(w.mins, (w.scales.float() * -8).half())
+    symmetric = w.mins is not None and torch.equal(w.mins, symmetric_mins(w.scales))
     fmt = QuantFormat(w.fmt.bits, w.fmt.group, w.fmt.source, tiled=True, symmetric=symmetric)
     return PackedWeight(fmt, codes, _tile_fields(w.scales, o), _tile_fields(w.mins, o), o, i)
 
