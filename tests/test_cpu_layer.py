@@ -94,6 +94,26 @@ def test_quantized_linears_run_inside_the_fused_layers(arch, method):
     assert fused == per_module
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decode_steps_in_one_parallel_region_equal_generate(arch):
+    """With every linear on our few-row float32 kernel, a decode step's layers run inside one
+    parallel region (decode_region_cpu.cpp: the linears' bands and the attention's tasks shared
+    out, the small ops between them on the calling thread). A lone request (one row) and four
+    decoding together (a few rows) pass the bit-for-bit check against the layers' own forward,
+    and the tokens equal `model.generate`'s."""
+    model = make_tiny_model(arch)
+    small = {"linear": "small_linear"}
+    lone = random_prompts(1, 20, 20, seed=8)
+    _, results, checked, enabled = _run(model, lone, 12, block_size=4, cpu_kernel_overrides=small)
+    assert enabled and (0, True, False, False) in checked, checked
+    assert results == [reference_generate(model, lone[0], 12)]
+    prompts = random_prompts(4, 5, 12, seed=9)
+    _, results, checked, enabled = _run(model, prompts, 10, block_size=4, cpu_kernel_overrides=small)
+    assert enabled and (1, True, False, False) in checked, checked
+    for prompt, got in zip(prompts, results):
+        assert got == reference_generate(model, prompt, 10)
+
+
 def test_a_difference_sends_every_layer_back_to_its_own_forward(monkeypatch, caplog):
     """The run-time check is real: a fused layer that computed something else is caught on its
     first call, said loudly, and the manager's layers run their own forward from then on, with

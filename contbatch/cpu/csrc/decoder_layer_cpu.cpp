@@ -33,58 +33,11 @@
 #include <tuple>
 #include <vector>
 
+#include "decoder_layer.h"
+
 namespace {
 
-constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
-enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3 };
-enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
-constexpr int64_t kLinears = 7;
-constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
-
-c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op =
-      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x.contiguous(), weight, eps);
-}
-
-// One layer's arguments, views into the call's lists (decoder_stack passes every layer's).
-struct Layer {
-  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in the order of the header
-  const std::optional<at::Tensor>* biases;  // one per linear
-  const std::optional<at::Tensor>* packed;  // one per linear
-  at::ArrayRef<int64_t> codes;              // three per linear
-  at::ArrayRef<double> eps;                 // one per norm
-  const at::Tensor& key_cache;
-  const at::Tensor& value_cache;
-  double scale;
-  int64_t window;
-  const std::optional<at::Tensor>* lora_a;   // one per linear: [G, R, in]
-  const std::optional<at::Tensor>* lora_bt;  // one per linear: [G, R, out], the scale folded in
-  const std::optional<at::Tensor>* quant_scales;  // one per linear: a packed weight's scales
-  const std::optional<at::Tensor>* quant_mins;    // one per linear: its mins (int4)
-  at::ArrayRef<int64_t> quant_formats;            // two per linear: bits, group
-};
-
-// What every layer of a step shares: its positions, cache slots and attention plan.
-struct Step {
-  const at::Tensor& cos;
-  const at::Tensor& sin;
-  const at::Tensor& slots;
-  const std::optional<at::Tensor>& decode_table;
-  const std::optional<at::Tensor>& decode_kv_lens;
-  const std::optional<at::Tensor>& chunk_table;
-  const std::optional<at::Tensor>& chunk_q_start;
-  const std::optional<at::Tensor>& chunk_q_lens;
-  const std::optional<at::Tensor>& chunk_kv_lens;
-  int64_t block_size;
-  int64_t head_dim;
-  const std::optional<at::Tensor>& lora_rows;  // [G * m] int64: each adapter group's rows, padded
-  const std::optional<at::Tensor>& lora_drop;  // [G, m, 1] bool: the padding entries (padded groups)
-  const std::optional<at::Tensor>& lora_inverse;  // [T] int64: each row's entry (a zero one for base rows)
-  at::IntArrayRef lora_bounds;  // segmented groups: G + 1 offsets into lora_rows (empty: padded)
-};
+using namespace contbatch_layer;
 
 // lora/segments.py's `lora_products`, added as lora/hooks.py's `add_lora` adds it, by the same
 // ops in the same order (so bit-identical): padded groups all at once as two batched products,
@@ -357,16 +310,17 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
   for (size_t i = 0; i < shrink.size(); ++i)
     TORCH_CHECK(shrink[i].has_value() == expand[i].has_value() && (!shrink[i].has_value() || lora_rows.has_value()),
                 "decoder_stack: LoRA factors in pairs, with the step's LoRA rows");
-  at::Tensor x = hidden;
-  for (int64_t i = 0; i < layers; ++i) {
-    x = layer_forward(x, Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
-                               blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
-                               eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i],
-                               shrink.data() + i * kLinears, expand.data() + i * kLinears,
-                               qscales.data() + i * kLinears, qmins.data() + i * kLinears,
-                               quant_formats.slice(i * 2 * kLinears, 2 * kLinears)},
-                      step);
-  }
+  std::vector<Layer> each;
+  for (int64_t i = 0; i < layers; ++i)
+    each.push_back(Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
+                         blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
+                         eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i],
+                         shrink.data() + i * kLinears, expand.data() + i * kLinears, qscales.data() + i * kLinears,
+                         qmins.data() + i * kLinears, quant_formats.slice(i * 2 * kLinears, 2 * kLinears)});
+  at::Tensor x = decode_region(hidden, each, step);  // a decode step of few rows: one parallel region
+  if (x.defined()) return x;
+  x = hidden;
+  for (const Layer& layer : each) x = layer_forward(x, layer, step);
   return x;
 }
 

@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "layer_parts.h"
 #include "vec.h"
 
 namespace {
@@ -268,11 +269,12 @@ bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, 
 }
 #endif
 
+// Tasks [begin, end) of the call (task = row * kv_heads + KV head), on the calling thread.
 template <typename T>
-void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& block_table,
-            const at::Tensor& kv_lens, const at::Tensor& sinks, at::Tensor& out, int64_t block_size, double scale,
-            int64_t window, double softcap) {
-  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+void decode_tasks(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& sinks, at::Tensor& out,
+                  int64_t block_size, double scale, int64_t window, double softcap, int64_t begin, int64_t end) {
+  const int64_t heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key.size(0), group = heads / kv_heads;
   const T* q = query.data_ptr<T>();
   const T* k = key.data_ptr<T>();
@@ -292,7 +294,7 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   constexpr bool vectorizable = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
 #endif
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  {
     std::vector<float> scores, qf(group * dim), acc(group * dim), inv(group);
 #ifdef CONTBATCH_TILES
     std::vector<int64_t> slots;
@@ -364,7 +366,7 @@ void decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d) orow[g * dim + d] = static_cast<T>(acc[g * dim + d] * inv[g]);
     }
-  });
+  }
 }
 
 // query [rows, heads, dim] (contiguous); key/value one layer's cache as [kv_heads, slots, dim]
@@ -389,12 +391,30 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
   if (query.size(0) == 0) return out;
   const at::Tensor sinks_c = sinks.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(query, key, value, block_table, kv_lens, sinks_c, out, block_size, scale, window, softcap);
+    at::parallel_for(0, query.size(0) * key.size(0), 1, [&](int64_t begin, int64_t end) {
+      decode_tasks<scalar_t>(query, key, value, block_table, kv_lens, sinks_c, out, block_size, scale, window, softcap,
+                             begin, end);
+    });
   });
   return out;
 }
 
 }  // namespace
+
+namespace contbatch_parts {
+
+void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
+                        at::Tensor& out, int64_t block_size, double scale, int64_t window, int64_t t, int64_t threads) {
+  const auto [begin, end] = share_of(query.size(0) * key.size(0), 1, t, threads);
+  if (begin >= end) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode_tasks<scalar_t>(query, key, value, block_table, kv_lens, no_sinks, out, block_size, scale, window, 0.0,
+                           begin, end);
+  });
+}
+
+}  // namespace contbatch_parts
 
 TORCH_LIBRARY(contbatch_cpu, m) {
   m.def(

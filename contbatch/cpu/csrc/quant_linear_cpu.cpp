@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "layer_parts.h"
 #include "quant_bands.h"
 #include "quant_tiles.h"
 
@@ -132,6 +133,42 @@ at::Tensor shaped(const at::Tensor& y, const at::Tensor& input) {
   return y.to(input.scalar_type()).view(shape);
 }
 
+#if defined(CONTBATCH_QUANT_TILES)
+#define QUANT_XD &xd
+#else
+struct XDigits {};
+#define QUANT_XD nullptr
+#endif
+
+// Output features [begin, end) of packed linears laid end to end (linear i's are [first[i],
+// first[i + 1])) against x: float32 [rows, in] for the row layout, its digits (xd) for tiled
+// weights. An output's value does not depend on the band it falls in.
+void band_of_linears(const std::vector<Packed>& ps, const float* const* bias, float* const* y, const int64_t* first,
+                     [[maybe_unused]] const XDigits* xd, const float* xp, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t n = static_cast<int64_t>(ps.size()), in = ps[0].in;
+  // More than kMaxRows rows: in chunks of at most kMaxRows (as even as they go), every chunk
+  // over a sub-band of kSubBand output features before the next sub-band, so that the codes
+  // are read from memory once and from L1 by the other chunks.
+  const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t sub_band = chunks == 1 ? first[n] : kSubBand;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t lo = std::max(begin, first[i]) - first[i], hi = std::min(end, first[i + 1]) - first[i];
+#if defined(CONTBATCH_QUANT_TILES)
+    if (ps[i].tiled) {  // whole tiles: a band's ends rounded up to a tile (out is a multiple of one)
+      const int64_t t_lo = (lo + kTile - 1) / kTile * kTile, t_hi = (hi + kTile - 1) / kTile * kTile;
+      if (lo < hi && t_lo < t_hi) tiled_band(ps[i], *xd, bias[i], y[i], ps[i].out, t_lo, t_hi);
+      continue;
+    }
+#endif
+    for (int64_t s = lo; s < hi; s += sub_band)
+      for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
+        const int64_t r = (rows - r0) / (chunks - c);
+        pick(r)(ps[i], xp + r0 * in, bias[i], y[i] + r0 * ps[i].out, ps[i].out, s, std::min(hi, s + sub_band));
+        r0 += r;
+      }
+  }
+}
+
 // Packed linears of one input x (1 to kMaxRows rows) in one parallel region: each output
 // feature is computed by the same band function as quant_linear's, so every output equals
 // quant_linear's on that weight bit for bit; one fork and join instead of one per linear.
@@ -152,11 +189,6 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
     ys[i] = at::empty({rows, ps[i].out}, out_options);
     first[i + 1] = first[i] + ps[i].out;
   }
-  // More than kMaxRows rows: in chunks of at most kMaxRows (as even as they go), every chunk
-  // over a sub-band of kSubBand output features before the next sub-band, so that the codes
-  // are read from memory once and from L1 by the other chunks.
-  const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t sub_band = chunks == 1 ? first[n] : kSubBand;
   const float* xp = bf16_digits ? nullptr : x.data_ptr<float>();
 #if defined(CONTBATCH_QUANT_TILES)
   // x as integer digits once for every tiled linear of the call (quant_tiles.h)
@@ -168,26 +200,14 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   if (bf16_digits) make_digits(x.data_ptr<c10::BFloat16>(), rows, in, x_digits, xd);
   else if (any_tiled) make_digits(xp, rows, in, x_digits, xd);
 #endif
+  std::vector<const float*> bp(n);
+  std::vector<float*> yp(n);
+  for (int64_t i = 0; i < n; ++i) {
+    bp[i] = biases[i].defined() ? biases[i].data_ptr<float>() : nullptr;
+    yp[i] = ys[i].data_ptr<float>();
+  }
   auto band_of_call = [&](int64_t begin, int64_t end) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float* bp = biases[i].defined() ? biases[i].data_ptr<float>() : nullptr;
-      float* yp = ys[i].data_ptr<float>();
-      const int64_t lo = std::max(begin, first[i]) - first[i], hi = std::min(end, first[i + 1]) - first[i];
-#if defined(CONTBATCH_QUANT_TILES)
-      if (ps[i].tiled) {  // whole tiles: a band's ends rounded up to a tile (out is a multiple of one)
-        const int64_t t_lo = (lo + kTile - 1) / kTile * kTile, t_hi = (hi + kTile - 1) / kTile * kTile;
-        if (lo < hi && t_lo < t_hi)
-          tiled_band(ps[i], xd, bp, yp, ps[i].out, t_lo, t_hi);
-        continue;
-      }
-#endif
-      for (int64_t s = lo; s < hi; s += sub_band)
-        for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
-          const int64_t r = (rows - r0) / (chunks - c);
-          pick(r)(ps[i], xp + r0 * in, bp, yp + r0 * ps[i].out, ps[i].out, s, std::min(hi, s + sub_band));
-          r0 += r;
-        }
-    }
+    band_of_linears(ps, bp.data(), yp.data(), first.data(), QUANT_XD, xp, rows, begin, end);
   };
   // The output features are handed out in units on demand (an atomic counter), not as one fixed
   // share per thread: a thread slowed by other work on its core (the server's event loop,
@@ -296,6 +316,42 @@ bool quant_tiles() {
 }
 
 }  // namespace
+
+namespace contbatch_parts {
+
+bool quant_share_ready(const QuantRef& linear, int64_t in) {
+  const Packed p = check(*linear.codes, *linear.scales, *linear.mins, linear.format, linear.group, "quant_linears");
+  return p.in == in;
+}
+
+// few_rows' work for float32 x and one band per thread (as it hands one or two rows out); the
+// digits of x are made by every thread for itself, the same digits as few_rows' one copy.
+void quant_linears_share(const float* x, int64_t rows, const QuantRef* linears, int64_t n, int64_t t,
+                         int64_t threads) {
+  std::vector<Packed> ps;
+  std::vector<const float*> bias(n);
+  std::vector<float*> y(n);
+  std::vector<int64_t> first(n + 1, 0);
+  [[maybe_unused]] bool any_tiled = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const QuantRef& l = linears[i];
+    ps.push_back(check(*l.codes, *l.scales, *l.mins, l.format, l.group, "quant_linears"));
+    any_tiled = any_tiled || ps.back().tiled;
+    bias[i] = l.bias;
+    y[i] = l.y;
+    first[i + 1] = first[i] + ps.back().out;
+  }
+  const auto [begin, end] = share_of(first[n], 32, t, threads);
+  if (begin >= end) return;
+#if defined(CONTBATCH_QUANT_TILES)
+  static thread_local XDigits digits;
+  XDigits& xd = digits;
+  if (any_tiled) make_digits(x, rows, ps[0].in, 3, xd);
+#endif
+  band_of_linears(ps, bias.data(), y.data(), first.data(), QUANT_XD, x, rows, begin, end);
+}
+
+}  // namespace contbatch_parts
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def("quant_tiles() -> bool", quant_tiles);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "layer_parts.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -313,6 +314,24 @@ at::Tensor routed_linear(const at::Tensor& input, const at::Tensor& weight, cons
 }
 
 }  // namespace
+
+namespace contbatch_parts {
+
+// run_many<float>'s work for thread t: its band of the outputs, by the same band function.
+void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRef* linears, int64_t n, int64_t t,
+                         int64_t threads) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += linears[i].out;
+  const auto [begin, end] = share_of(total, 32, t, threads);
+  const BandFn<float> fn = pick<float>(rows);
+  for (int64_t i = 0, first = 0; i < n; first += linears[i].out, ++i) {
+    const FloatRef& l = linears[i];
+    const int64_t lo = std::max(begin, first), hi = std::min(end, first + l.out);
+    if (lo < hi) fn(x, l.weight, l.bias, l.y, in, lo - first, hi - first, l.out);
+  }
+}
+
+}  // namespace contbatch_parts
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

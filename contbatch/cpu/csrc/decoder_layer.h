@@ -1,0 +1,72 @@
+// A Llama-family decoder layer's arguments as decoder_layer_cpu.cpp takes them (its header
+// says their layout), shared with decode_region_cpu.cpp.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+namespace contbatch_layer {
+
+constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3 };
+enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
+constexpr int64_t kLinears = 7;
+constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
+
+inline c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op =
+      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), weight, eps);
+}
+
+// One layer's arguments, views into the call's lists (decoder_stack passes every layer's).
+struct Layer {
+  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in the order of the header
+  const std::optional<at::Tensor>* biases;  // one per linear
+  const std::optional<at::Tensor>* packed;  // one per linear
+  at::ArrayRef<int64_t> codes;              // three per linear
+  at::ArrayRef<double> eps;                 // one per norm
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  double scale;
+  int64_t window;
+  const std::optional<at::Tensor>* lora_a;   // one per linear: [G, R, in]
+  const std::optional<at::Tensor>* lora_bt;  // one per linear: [G, R, out], the scale folded in
+  const std::optional<at::Tensor>* quant_scales;  // one per linear: a packed weight's scales
+  const std::optional<at::Tensor>* quant_mins;    // one per linear: its mins (int4)
+  at::ArrayRef<int64_t> quant_formats;            // two per linear: bits, group
+};
+
+// What every layer of a step shares: its positions, cache slots and attention plan.
+struct Step {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const at::Tensor& slots;
+  const std::optional<at::Tensor>& decode_table;
+  const std::optional<at::Tensor>& decode_kv_lens;
+  const std::optional<at::Tensor>& chunk_table;
+  const std::optional<at::Tensor>& chunk_q_start;
+  const std::optional<at::Tensor>& chunk_q_lens;
+  const std::optional<at::Tensor>& chunk_kv_lens;
+  int64_t block_size;
+  int64_t head_dim;
+  const std::optional<at::Tensor>& lora_rows;  // [G * m] int64: each adapter group's rows, padded
+  const std::optional<at::Tensor>& lora_drop;  // [G, m, 1] bool: the padding entries (padded groups)
+  const std::optional<at::Tensor>& lora_inverse;  // [T] int64: each row's entry (a zero one for base rows)
+  at::IntArrayRef lora_bounds;  // segmented groups: G + 1 offsets into lora_rows (empty: padded)
+};
+
+// Every decoder layer of a decode step (each row one query token, 1 to kMaxRows rows) inside
+// one parallel region (decode_region_cpu.cpp), when every linear of every layer takes our
+// few-row float32 kernel or a packed one at this row count, the activations are float32 and
+// no adapter applies; returns an undefined tensor (nothing run) otherwise. The output equals
+// layer after layer's bit for bit.
+at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& layers, const Step& step);
+
+}  // namespace contbatch_layer

@@ -1,0 +1,64 @@
+// Thread shares of the decoder layer's parallel kernels, for decode_region_cpu.cpp: there every
+// decoder layer of a decode step runs inside one parallel region, each thread calling these
+// with its index, instead of one fork and join per kernel.
+//
+// Each share computes exactly what the op of the same name computes for its part of the
+// outputs (the same band functions on the same inputs), so a region's outputs equal the ops'
+// bit for bit whatever the thread count. Their arguments are checked before the region (a
+// share throws only what the op would).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+namespace contbatch_parts {
+
+// One packed linear (quant_linear_cpu.cpp's layout: codes, scales, mins, format word, group).
+struct QuantRef {
+  const at::Tensor* codes;
+  const at::Tensor* scales;
+  const std::optional<at::Tensor>* mins;
+  int64_t format;
+  int64_t group;
+  const float* bias;  // float32 [out], or nullptr
+  float* y;           // float32 [rows, out]
+};
+
+// One float32 weight [out, in] (small_linear_cpu.cpp's few-row kernel).
+struct FloatRef {
+  const float* weight;
+  const float* bias;  // or nullptr
+  float* y;           // [rows, out]
+  int64_t out;
+};
+
+// quant_linears on float32 x [rows, in] (1 to 7 rows): thread t of `threads`' band of the
+// linears' outputs laid end to end.
+void quant_linears_share(const float* x, int64_t rows, const QuantRef* linears, int64_t n, int64_t t,
+                         int64_t threads);
+
+// Whether quant_linears_share can run this packed linear at these rows in a region (its
+// arguments as quant_linears checks them; tiled or row layout).
+bool quant_share_ready(const QuantRef& linear, int64_t in);
+
+// small_linears on float32 x [rows, in] (1 to 7 rows): thread t's band of the outputs.
+void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRef* linears, int64_t n, int64_t t,
+                         int64_t threads);
+
+// paged_decode's tasks (one per row and KV head) of thread t, no sinks (`no_sinks` an empty
+// float32 tensor) and no softcap; `out` as paged_decode returns it.
+void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
+                        at::Tensor& out, int64_t block_size, double scale, int64_t window, int64_t t, int64_t threads);
+
+// [begin, end) of thread t's share of n items in units of `unit` (contiguous, in order).
+inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t unit, int64_t t, int64_t threads) {
+  const int64_t per = std::max<int64_t>(unit, ((n + threads - 1) / threads + unit - 1) / unit * unit);
+  return {std::min(n, t * per), std::min(n, (t + 1) * per)};
+}
+
+}  // namespace contbatch_parts
