@@ -178,7 +178,11 @@ class TorchBackend:
         num_decode = _leading_short_rows(q_lens) if self.fast_decode else int((q_lens == 1).sum())
         groups = []
         decode_rows = None
-        if self.fast_decode and num_decode:
+        if self.fast_decode and num_decode and int(cu_q[num_decode] - cu_q[0]) == num_decode:
+            # one query token a row (a decode step's rows): each row is its request, all its keys
+            decode_rows = DecodeRows(num_decode, host["block_table"][:num_decode].to(device, torch.int32),
+                                     host["kv_lens"][:num_decode].to(device, torch.int32).contiguous())
+        elif self.fast_decode and num_decode:
             lens = q_lens[:num_decode]
             rows = torch.repeat_interleave(torch.arange(num_decode), lens)
             offset = torch.arange(int(lens.sum())) - (cu_q[:num_decode] - cu_q[0])[rows]
