@@ -2,25 +2,25 @@
 //
 // Layer after layer, a decode step of a small model is mostly not its arithmetic: each kernel
 // of decoder_layer_cpu.cpp forks and joins the thread pool (five times a layer), and the ops
-// around them are called one by one. Here the pool's threads enter once for the whole stack.
-// The linears and the attention are shared out (layer_parts.h: each thread a band of outputs
-// or a range of tasks, the ops' own band functions), the small serial ops between them
-// (norms, rotation, the cache write, the residual sums, SiLU x up) run on the calling thread
-// through the same ops layer_forward calls, in the same order, and a barrier separates each
-// part from the next. Every output is computed by the same function on the same inputs as
-// layer after layer, so the result is bit-identical (and the engine checks it at run time,
-// as it checks the stack).
+// around them are called one by one, each allocating its output. Here the pool's threads enter
+// once for the whole stack. The linears and the attention are shared out (layer_parts.h: each
+// thread a band of outputs or a range of tasks, by the ops' own band functions); the small
+// steps between them (the norms, the rotation written straight into the query and the cache,
+// the residual sums, SiLU x up) run on the calling thread, by the ops' own row functions or
+// the same aten ops, into buffers made once a call; a barrier separates each part from the
+// next. Every value is computed by the same function on the same inputs as layer after layer,
+// so the output is bit-identical (the engine checks it at run time, as it checks the stack).
 //
-// An error of any part (an op's argument check) is kept, every thread leaves at the next
-// barrier, and it is raised after the region.
+// An error of any part (an argument check) is kept, every thread leaves at the next barrier,
+// and it is raised after the region.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <atomic>
+#include <cstring>
 #include <exception>
-#include <tuple>
 #include <vector>
 
 #include "decoder_layer.h"
@@ -33,47 +33,57 @@ namespace {
 using contbatch_parts::FloatRef;
 using contbatch_parts::QuantRef;
 
-// Whether this layer runs in the region at this row count (regime: 0 one row, 1 two to seven).
-bool fits(const Layer& layer, int64_t regime) {
+bool float_vector(const at::Tensor& w, int64_t n) {
+  return w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.size(0) == n;
+}
+
+// Whether this layer runs in the region at this row count (regime: 0 one row, 1 two to seven):
+// every linear ours (few-row float32 or packed) with a float32 bias or none, no adapter,
+// float32 norms and caches.
+bool fits(const Layer& layer, int64_t regime, int64_t hidden, int64_t head_dim) {
   for (int64_t i = 0; i < kLinears; ++i) {
     const int64_t code = layer.codes[3 * i + regime];
     const at::Tensor& w = layer.weights[kWeightOf[i]];
     const std::optional<at::Tensor>& b = layer.biases[i];
     if (layer.lora_a[i].has_value() || (code != kQuant && code != kNative) || w.dim() != 2) return false;
     if (code == kNative && (w.scalar_type() != at::kFloat || !w.is_contiguous())) return false;
-    if (b.has_value() && (b->scalar_type() != at::kFloat || !b->is_contiguous() || b->numel() != w.size(0)))
-      return false;
+    if (b.has_value() && !float_vector(*b, w.size(0))) return false;
   }
-  return true;
+  const bool qk_norm = layer.weights.size() == 11;
+  const at::Tensor& kc = layer.key_cache;
+  const at::Tensor& vc = layer.value_cache;
+  return float_vector(layer.weights[kInNorm], hidden) && float_vector(layer.weights[kPostNorm], hidden) &&
+         (!qk_norm || (float_vector(layer.weights[kQNorm], head_dim) && float_vector(layer.weights[kKNorm], head_dim))) &&
+         kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.dim() == 3 && vc.dim() == 3 &&
+         kc.stride(2) == 1 && vc.stride(2) == 1 && kc.size(2) == head_dim && vc.size(2) == head_dim &&
+         layer.weights[kK].size(0) == kc.size(0) * head_dim && layer.weights[kV].size(0) == kc.size(0) * head_dim &&
+         vc.size(0) == kc.size(0);
 }
 
-// The linears [first, last) of a layer on x (float32 [rows, in]): their outputs allocated by
-// `prepare` (calling thread), shared out by `run` (every thread).
+// Some linears of a layer on x (float32 [rows, in]) into their buffers: set up by the calling
+// thread, shared out by `run` on every thread.
 struct Linears {
   std::vector<QuantRef> quant;
   std::vector<FloatRef> floats;
-  std::vector<at::Tensor> outputs;  // float32 [rows, out], in the layer's order
-  at::Tensor input;                 // x, kept alive while the threads read it
   const float* x = nullptr;
   int64_t rows = 0, in = 0;
 
-  void prepare(const at::Tensor& from, const Layer& layer, std::initializer_list<int64_t> indices) {
-    input = from.reshape({-1, from.size(-1)});
-    TORCH_CHECK(input.is_contiguous() && input.scalar_type() == at::kFloat, "decode_region: float32 activations");
-    x = input.data_ptr<float>();
-    rows = input.size(0);
-    in = input.size(1);
+  void prepare(const float* input, int64_t rows_, int64_t in_, const Layer& layer,
+               std::initializer_list<int64_t> indices, std::vector<at::Tensor>& outputs) {
+    x = input;
+    rows = rows_;
+    in = in_;
     quant.clear();
     floats.clear();
-    outputs.clear();
     for (const int64_t i : indices) {
       const at::Tensor& w = layer.weights[kWeightOf[i]];
       const std::optional<at::Tensor>& b = layer.biases[i];
       const bool packed = layer.codes[3 * i + (rows == 1 ? 0 : 1)] == kQuant;
-      const int64_t out = w.size(0);  // codes [out, in] or [out, in / 2]
-      TORCH_CHECK(packed || w.size(1) == in, "decode_region: a weight of ", w.size(1), " inputs for x of ", in);
-      outputs.push_back(at::empty({rows, out}, input.options()));
-      float* y = outputs.back().data_ptr<float>();
+      const int64_t out = w.size(0);  // codes [out, in] or (int4: the format word's low byte 4) [out, in / 2]
+      const int64_t w_in = packed && (layer.quant_formats[2 * i] & 255) == 4 ? 2 * w.size(1) : w.size(1);
+      TORCH_CHECK(w_in == in, "decode_region: a weight of ", w_in, " inputs for x of ", in);
+      if (outputs[i].numel() != rows * out) outputs[i] = at::empty({rows, out}, w.options().dtype(at::kFloat));
+      float* y = outputs[i].data_ptr<float>();
       const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;  // float32 (fits)
       if (packed)
         quant.push_back({&w, &*layer.quant_scales[i], &layer.quant_mins[i], layer.quant_formats[2 * i],
@@ -90,31 +100,55 @@ struct Linears {
       contbatch_parts::small_linears_share(x, rows, in, floats.data(), static_cast<int64_t>(floats.size()), t,
                                            threads);
   }
-
-  // Output j viewed as layer_forward's linear returns it: [1, tokens, out].
-  at::Tensor view(size_t j, int64_t tokens) const { return outputs[j].view({1, tokens, -1}); }
 };
+
+// y = a + b over n floats (aten's add: one rounding each, whatever the order)
+void add(const float* a, const float* b, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+}
 
 }  // namespace
 
 at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& layers, const Step& step) {
-  const int64_t tokens = hidden.size(1);
-  if (hidden.scalar_type() != at::kFloat || step.chunk_table.has_value() || !step.decode_table.has_value() ||
-      tokens < 1 || tokens > kMaxRows || step.lora_rows.has_value() || at::in_parallel_region())
+  const int64_t tokens = hidden.size(1), size = hidden.size(2), head_dim = step.head_dim;
+  if (hidden.scalar_type() != at::kFloat || !hidden.is_contiguous() || step.chunk_table.has_value() ||
+      !step.decode_table.has_value() || tokens < 1 || tokens > kMaxRows || step.lora_rows.has_value() ||
+      at::in_parallel_region())
     return at::Tensor();
   const int64_t regime = tokens == 1 ? 0 : 1;
   for (const Layer& layer : layers)
-    if (!fits(layer, regime)) return at::Tensor();
-  static const auto rotary = find("contbatch_cpu::rotary")
-                                 .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                           const at::Tensor&, const at::Tensor&)>();
-  static const auto kv_write = find("contbatch_cpu::kv_write")
-                                   .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&)>();
-  const int64_t head_dim = step.head_dim;
-  const at::Tensor no_sinks = at::empty({0}, hidden.options());
-  // What the calling thread prepares for the parts (read by all after a barrier).
-  at::Tensor x = hidden, mid, query, attn, product;
+    if (!fits(layer, regime, size, head_dim)) return at::Tensor();
+  const at::Tensor &cos = step.cos, &sin = step.sin, &slots = step.slots;
+  if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || cos.dim() != 3 || sin.dim() != 3 ||
+      cos.size(1) != tokens || sin.size(1) != tokens || cos.size(2) != head_dim || sin.size(2) != head_dim ||
+      cos.stride(2) != 1 || sin.stride(2) != 1 || slots.scalar_type() != at::kLong || !slots.is_contiguous())
+    return at::Tensor();
+  const at::Tensor& table = *step.decode_table;
+  const at::Tensor& kv_lens = *step.decode_kv_lens;
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.stride(1) == 1 && kv_lens.scalar_type() == at::kInt &&
+                  kv_lens.is_contiguous() && table.size(0) == tokens && kv_lens.size(0) == tokens,
+              "decode_region: an int32 block table and key count per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (const Layer& layer : layers)
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < layer.key_cache.size(1) && slot[t] < layer.value_cache.size(1),
+                  "decode_region: slot ", slot[t], " is outside the cache");
+
+  // Buffers for the whole call: the running hidden state and the residual sum [1, T, H], a
+  // norm's output, the linears' outputs (by linear), the rotated queries and the attention's
+  // output [T, heads, D].
+  const at::TensorOptions f32 = hidden.options();
+  const int64_t heads = layers[0].weights[kQ].size(0) / head_dim;
+  for (const Layer& layer : layers)  // the query and attention buffers serve every layer
+    if (layer.weights[kQ].size(0) != heads * head_dim) return at::Tensor();
+  at::Tensor out = at::empty_like(hidden), mid = at::empty_like(hidden), normed = at::empty_like(hidden);
+  at::Tensor query = at::empty({tokens, heads, head_dim}, f32), attn = at::empty({tokens, heads, head_dim}, f32);
+  std::vector<at::Tensor> ys(kLinears);
+  std::vector<float> scratch(head_dim);
+  const at::Tensor no_sinks = at::empty({0}, f32);
+  const float* x = hidden.data_ptr<float>();  // the layer's input: `hidden`, then `out`
+  float *xo = out.data_ptr<float>(), *xm = mid.data_ptr<float>(), *xn = normed.data_ptr<float>();
+  const int64_t n = tokens * size;
   Linears linears;
   std::exception_ptr error;
   std::atomic<bool> failed{false};
@@ -125,65 +159,69 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
       if (!failed.exchange(true)) error = std::current_exception();
     }
   };
+  // q / k, a row of head_dim values, normed (Qwen3) then rotated into dst
+  auto rotate = [&](const Layer& layer, const float* src, int64_t norm, double eps, int64_t t, float* dst) {
+    if (layer.weights.size() == 11) {
+      contbatch_parts::rms_norm_rows(src, layer.weights[norm].data_ptr<float>(), scratch.data(), 1, head_dim, eps);
+      src = scratch.data();
+    }
+    contbatch_parts::rotate_row(src, cos.data_ptr<float>() + t * cos.stride(1), sin.data_ptr<float>() + t * sin.stride(1),
+                                dst, head_dim);
+  };
   at::internal::lazy_init_num_threads();
 #pragma omp parallel
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
     for (const Layer& layer : layers) {
-      const bool qk_norm = layer.weights.size() == 11;
-      // q, k, v of the input norm
-      if (t == 0) guarded([&] { linears.prepare(rms_norm(x, layer.weights[kInNorm], layer.eps[0]), layer, {0, 1, 2}); });
+      // the input norm, then q, k and v
+      if (t == 0)
+        guarded([&] {
+          contbatch_parts::rms_norm_rows(x, layer.weights[kInNorm].data_ptr<float>(), xn, tokens, size, layer.eps[0]);
+          linears.prepare(xn, tokens, size, layer, {0, 1, 2}, ys);
+        });
 #pragma omp barrier
       if (failed) break;
       guarded([&] { linears.run(t, threads); });
 #pragma omp barrier
       if (failed) break;
-      // rotation and the cache write (as layer_forward), then the attention's tasks
+      // rotation (as the rotary op) into the query and the key cache, values into theirs
       if (t == 0)
         guarded([&] {
-          at::Tensor q = linears.view(0, tokens).view({1, tokens, -1, head_dim});
-          at::Tensor k = linears.view(1, tokens).view({1, tokens, -1, head_dim});
-          const at::Tensor v = linears.view(2, tokens).view({1, tokens, -1, head_dim});
-          if (qk_norm) {
-            q = rms_norm(q, layer.weights[kQNorm], layer.eps[2]);
-            k = rms_norm(k, layer.weights[kKNorm], layer.eps[3]);
+          const at::Tensor &kc = layer.key_cache, &vc = layer.value_cache;
+          const int64_t kv_heads = kc.size(0);
+          const float *q = ys[0].data_ptr<float>(), *k = ys[1].data_ptr<float>(), *v = ys[2].data_ptr<float>();
+          float *qr = query.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+          for (int64_t r = 0; r < tokens; ++r) {
+            for (int64_t h = 0; h < heads; ++h)
+              rotate(layer, q + (r * heads + h) * head_dim, kQNorm, layer.eps.size() > 2 ? layer.eps[2] : 0.0, r,
+                     qr + (r * heads + h) * head_dim);
+            for (int64_t h = 0; h < kv_heads; ++h) {
+              rotate(layer, k + (r * kv_heads + h) * head_dim, kKNorm, layer.eps.size() > 3 ? layer.eps[3] : 0.0, r,
+                     kp + h * kc.stride(0) + slot[r] * kc.stride(1));
+              std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
+                          head_dim * sizeof(float));
+            }
           }
-          auto [q_rot, k_rot] = rotary.call(q.transpose(1, 2), k.transpose(1, 2), step.cos, step.sin);
-          const at::Tensor key = k_rot[0], value = v.transpose(1, 2)[0];
-          kv_write.call(layer.key_cache, layer.value_cache, step.slots,
-                        key.stride(-1) == 1 ? key : key.contiguous(), value);
-          query = q_rot[0].transpose(0, 1).contiguous();  // [T, heads, D]
-          const at::Tensor& kc = layer.key_cache;
-          const at::Tensor& vc = layer.value_cache;
-          TORCH_CHECK(kc.dim() == 3 && vc.dim() == 3 && kc.stride(2) == 1 && vc.stride(2) == 1 &&
-                          kc.scalar_type() == query.scalar_type() && vc.scalar_type() == query.scalar_type() &&
-                          query.size(1) % kc.size(0) == 0,
-                      "decode_region: key/value caches [kv_heads, slots, dim] of the query's dtype");
-          TORCH_CHECK(step.decode_table->scalar_type() == at::kInt && step.decode_table->stride(1) == 1 &&
-                          step.decode_kv_lens->scalar_type() == at::kInt && step.decode_kv_lens->is_contiguous(),
-                      "decode_region: int32 block table and key counts");
-          attn = at::empty_like(query);
+          linears.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);
         });
 #pragma omp barrier
       if (failed) break;
       guarded([&] {
-        contbatch_parts::paged_decode_share(query, layer.key_cache, layer.value_cache, *step.decode_table,
-                                            *step.decode_kv_lens, no_sinks, attn, step.block_size, layer.scale,
-                                            layer.window, t, threads);
+        contbatch_parts::paged_decode_share(query, layer.key_cache, layer.value_cache, table, kv_lens, no_sinks, attn,
+                                            step.block_size, layer.scale, layer.window, t, threads);
       });
 #pragma omp barrier
       if (failed) break;
-      if (t == 0) guarded([&] { linears.prepare(attn.view({1, tokens, -1}), layer, {3}); });
+      guarded([&] { linears.run(t, threads); });  // o
 #pragma omp barrier
       if (failed) break;
-      guarded([&] { linears.run(t, threads); });
-#pragma omp barrier
-      if (failed) break;
-      // the residual sum, the post-attention norm, gate and up
+      // the residual sum and the post-attention norm, then gate and up
       if (t == 0)
         guarded([&] {
-          mid = x + linears.view(0, tokens);
-          linears.prepare(rms_norm(mid, layer.weights[kPostNorm], layer.eps[1]), layer, {4, 5});
+          add(x, ys[3].data_ptr<float>(), xm, n);
+          contbatch_parts::rms_norm_rows(xm, layer.weights[kPostNorm].data_ptr<float>(), xn, tokens, size,
+                                         layer.eps[1]);
+          linears.prepare(xn, tokens, size, layer, {4, 5}, ys);
         });
 #pragma omp barrier
       if (failed) break;
@@ -191,21 +229,26 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
 #pragma omp barrier
       if (failed) break;
       if (t == 0)
-        guarded([&] {
-          product = at::silu(linears.view(0, tokens)) * linears.view(1, tokens);
-          linears.prepare(product, layer, {6});
+        guarded([&] {  // silu(gate) * up, by aten's ops as the layer runs them
+          at::Tensor product = at::silu(ys[4]);
+          product.mul_(ys[5]);
+          ys[4] = product;  // kept alive while the threads read it
+          linears.prepare(product.data_ptr<float>(), tokens, product.size(1), layer, {6}, ys);
         });
 #pragma omp barrier
       if (failed) break;
-      guarded([&] { linears.run(t, threads); });
+      guarded([&] { linears.run(t, threads); });  // down
 #pragma omp barrier
       if (failed) break;
-      if (t == 0) guarded([&] { x = mid + linears.view(0, tokens); });
+      if (t == 0) {
+        add(xm, ys[6].data_ptr<float>(), xo, n);
+        x = xo;
+      }
       // (the next layer's first part is the calling thread's too: no barrier needed before it)
     }
   }
   if (error) std::rethrow_exception(error);
-  return x;
+  return out;
 }
 
 }  // namespace contbatch_layer

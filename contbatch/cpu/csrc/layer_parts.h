@@ -41,10 +41,6 @@ struct FloatRef {
 void quant_linears_share(const float* x, int64_t rows, const QuantRef* linears, int64_t n, int64_t t,
                          int64_t threads);
 
-// Whether quant_linears_share can run this packed linear at these rows in a region (its
-// arguments as quant_linears checks them; tiled or row layout).
-bool quant_share_ready(const QuantRef& linear, int64_t in);
-
 // small_linears on float32 x [rows, in] (1 to 7 rows): thread t's band of the outputs.
 void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRef* linears, int64_t n, int64_t t,
                          int64_t threads);
@@ -54,6 +50,12 @@ void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRe
 void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
                         at::Tensor& out, int64_t block_size, double scale, int64_t window, int64_t t, int64_t threads);
+
+// rms_norm on float32 rows [rows, hidden] into y (the op's one function per row).
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden, double eps);
+
+// rotary's one row of `dim` values (float32), rounded as the op rounds.
+void rotate_row(const float* x, const float* cos, const float* sin, float* out, int64_t dim);
 
 // [begin, end) of thread t's share of n items in units of `unit` (contiguous, in order).
 inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t unit, int64_t t, int64_t threads) {

@@ -319,11 +319,6 @@ bool quant_tiles() {
 
 namespace contbatch_parts {
 
-bool quant_share_ready(const QuantRef& linear, int64_t in) {
-  const Packed p = check(*linear.codes, *linear.scales, *linear.mins, linear.format, linear.group, "quant_linears");
-  return p.in == in;
-}
-
 // few_rows' work for float32 x and one band per thread (as it hands one or two rows out); the
 // digits of x are made by every thread for itself, the same digits as few_rows' one copy.
 void quant_linears_share(const float* x, int64_t rows, const QuantRef* linears, int64_t n, int64_t t,

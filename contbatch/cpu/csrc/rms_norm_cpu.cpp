@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "layer_parts.h"
 #include "vec.h"
 
 namespace {
@@ -95,6 +96,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 }  // namespace
+
+namespace contbatch_parts {
+
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden, double eps) {
+  rows_norm<float>(x, weight, y, 0, rows, hidden, static_cast<float>(eps));
+}
+
+}  // namespace contbatch_parts
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 

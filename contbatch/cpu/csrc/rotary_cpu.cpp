@@ -15,6 +15,7 @@
 
 #include <tuple>
 
+#include "layer_parts.h"
 #include "vec.h"
 
 namespace {
@@ -99,6 +100,14 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 }
 
 }  // namespace
+
+namespace contbatch_parts {
+
+void rotate_row(const float* x, const float* cos, const float* sin, float* out, int64_t dim) {
+  ::rotate_row<float>(x, cos, sin, out, dim);
+}
+
+}  // namespace contbatch_parts
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) { m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)"); }
 
