@@ -19,15 +19,9 @@ constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  //
 
 inline c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
-inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op =
-      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x.contiguous(), weight, eps);
-}
-
 // One layer's arguments, views into the call's lists (decoder_stack passes every layer's).
 struct Layer {
-  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in the order of the header
+  at::ArrayRef<at::Tensor> weights;        // 9 or 11, in decoder_layer_cpu.cpp's order
   const std::optional<at::Tensor>* biases;  // one per linear
   const std::optional<at::Tensor>* packed;  // one per linear
   at::ArrayRef<int64_t> codes;              // three per linear

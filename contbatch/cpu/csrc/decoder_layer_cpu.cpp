@@ -9,7 +9,8 @@
 //
 // `decoder_stack` runs one or more consecutive layers of a step in one call
 // (cpu/routers/fused_layer.py: one while a kind of step is checked, then every layer of the
-// model), layer after layer.
+// model), layer after layer; a decode step of few rows whose linears are all ours runs them
+// inside one parallel region instead (decode_region_cpu.cpp), bit for bit the same.
 //
 // Layout of the arguments (cpu/routers/fused_layer.py builds them), each list one layer after the other:
 //   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
@@ -38,6 +39,12 @@
 namespace {
 
 using namespace contbatch_layer;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op =
+      find("contbatch_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), weight, eps);
+}
 
 // lora/segments.py's `lora_products`, added as lora/hooks.py's `add_lora` adds it, by the same
 // ops in the same order (so bit-identical): padded groups all at once as two batched products,
