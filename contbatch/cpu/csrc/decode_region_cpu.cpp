@@ -16,11 +16,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/FunctionRef.h>
 #include <omp.h>
 
 #include <atomic>
 #include <cstring>
 #include <exception>
+#include <utility>
 #include <vector>
 
 #include "decoder_layer.h"
@@ -152,99 +154,80 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
   Linears linears;
   std::exception_ptr error;
   std::atomic<bool> failed{false};
-  auto guarded = [&](auto&& part) {
-    try {
-      part();
-    } catch (...) {
-      if (!failed.exchange(true)) error = std::current_exception();
-    }
-  };
-  // q / k, a row of head_dim values, normed (Qwen3) then rotated into dst
-  auto rotate = [&](const Layer& layer, const float* src, int64_t norm, double eps, int64_t t, float* dst) {
+  // q / k, a row of head_dim values, normed (Qwen3: the norm at `norm`, its epsilon after the
+  // layer's two) then rotated into dst
+  auto rotate = [&](const Layer& layer, const float* src, int64_t norm, int64_t t, float* dst) {
     if (layer.weights.size() == 11) {
-      contbatch_parts::rms_norm_rows(src, layer.weights[norm].data_ptr<float>(), scratch.data(), 1, head_dim, eps);
+      contbatch_parts::rms_norm_rows(src, layer.weights[norm].data_ptr<float>(), scratch.data(), 1, head_dim,
+                                     layer.eps[2 + norm - kQNorm]);
       src = scratch.data();
     }
     contbatch_parts::rotate_row(src, cos.data_ptr<float>() + t * cos.stride(1), sin.data_ptr<float>() + t * sin.stride(1),
                                 dst, head_dim);
   };
+  auto shared = [&](int64_t t, int64_t threads) { linears.run(t, threads); };
   at::internal::lazy_init_num_threads();
 #pragma omp parallel
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
     for (const Layer& layer : layers) {
-      // the input norm, then q, k and v
-      if (t == 0)
-        guarded([&] {
-          contbatch_parts::rms_norm_rows(x, layer.weights[kInNorm].data_ptr<float>(), xn, tokens, size, layer.eps[0]);
-          linears.prepare(xn, tokens, size, layer, {0, 1, 2}, ys);
-        });
-#pragma omp barrier
-      if (failed) break;
-      guarded([&] { linears.run(t, threads); });
-#pragma omp barrier
-      if (failed) break;
-      // rotation (as the rotary op) into the query and the key cache, values into theirs
-      if (t == 0)
-        guarded([&] {
-          const at::Tensor &kc = layer.key_cache, &vc = layer.value_cache;
-          const int64_t kv_heads = kc.size(0);
-          const float *q = ys[0].data_ptr<float>(), *k = ys[1].data_ptr<float>(), *v = ys[2].data_ptr<float>();
-          float *qr = query.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-          for (int64_t r = 0; r < tokens; ++r) {
-            for (int64_t h = 0; h < heads; ++h)
-              rotate(layer, q + (r * heads + h) * head_dim, kQNorm, layer.eps.size() > 2 ? layer.eps[2] : 0.0, r,
-                     qr + (r * heads + h) * head_dim);
-            for (int64_t h = 0; h < kv_heads; ++h) {
-              rotate(layer, k + (r * kv_heads + h) * head_dim, kKNorm, layer.eps.size() > 3 ? layer.eps[3] : 0.0, r,
-                     kp + h * kc.stride(0) + slot[r] * kc.stride(1));
-              std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
-                          head_dim * sizeof(float));
-            }
+      // A layer's parts in order: the calling thread's (`serial`) or every thread's share, each
+      // followed by a barrier. The residual sum ending a layer needs none: the next part that
+      // reads it is the calling thread's.
+      const auto input_norm = [&](int64_t, int64_t) {  // the input norm, then q, k and v
+        contbatch_parts::rms_norm_rows(x, layer.weights[kInNorm].data_ptr<float>(), xn, tokens, size, layer.eps[0]);
+        linears.prepare(xn, tokens, size, layer, {0, 1, 2}, ys);
+      };
+      const auto rotation = [&](int64_t, int64_t) {  // as the rotary op, into the query and the key cache
+        const at::Tensor &kc = layer.key_cache, &vc = layer.value_cache;
+        const int64_t kv_heads = kc.size(0);
+        const float *q = ys[0].data_ptr<float>(), *k = ys[1].data_ptr<float>(), *v = ys[2].data_ptr<float>();
+        float *qr = query.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+        for (int64_t r = 0; r < tokens; ++r) {
+          for (int64_t h = 0; h < heads; ++h)
+            rotate(layer, q + (r * heads + h) * head_dim, kQNorm, r, qr + (r * heads + h) * head_dim);
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            rotate(layer, k + (r * kv_heads + h) * head_dim, kKNorm, r, kp + h * kc.stride(0) + slot[r] * kc.stride(1));
+            std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
+                        head_dim * sizeof(float));
           }
-          linears.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);
-        });
-#pragma omp barrier
-      if (failed) break;
-      guarded([&] {
+        }
+        linears.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);
+      };
+      const auto attention = [&](int64_t part, int64_t of) {
         contbatch_parts::paged_decode_share(query, layer.key_cache, layer.value_cache, table, kv_lens, no_sinks, attn,
-                                            step.block_size, layer.scale, layer.window, t, threads);
-      });
+                                            step.block_size, layer.scale, layer.window, part, of);
+      };
+      const auto post_norm = [&](int64_t, int64_t) {  // the residual sum and the post-attention norm, then gate and up
+        add(x, ys[3].data_ptr<float>(), xm, n);
+        contbatch_parts::rms_norm_rows(xm, layer.weights[kPostNorm].data_ptr<float>(), xn, tokens, size, layer.eps[1]);
+        linears.prepare(xn, tokens, size, layer, {4, 5}, ys);
+      };
+      const auto product = [&](int64_t, int64_t) {  // silu(gate) * up, by aten's ops as the layer runs them
+        at::Tensor y = at::silu(ys[4]);
+        y.mul_(ys[5]);
+        ys[4] = y;  // kept alive while the threads read it
+        linears.prepare(y.data_ptr<float>(), tokens, y.size(1), layer, {6}, ys);
+      };
+      const std::pair<bool, c10::function_ref<void(int64_t, int64_t)>> parts[] = {
+          {true, input_norm}, {false, shared},  {true, rotation}, {false, attention}, {false, shared},  // o
+          {true, post_norm},  {false, shared},  {true, product},  {false, shared}};                    // down
+      for (const auto& [serial, part] : parts) {
+        if (!serial || t == 0) {
+          try {
+            part(t, threads);
+          } catch (...) {
+            if (!failed.exchange(true)) error = std::current_exception();
+          }
+        }
 #pragma omp barrier
-      if (failed) break;
-      guarded([&] { linears.run(t, threads); });  // o
-#pragma omp barrier
-      if (failed) break;
-      // the residual sum and the post-attention norm, then gate and up
-      if (t == 0)
-        guarded([&] {
-          add(x, ys[3].data_ptr<float>(), xm, n);
-          contbatch_parts::rms_norm_rows(xm, layer.weights[kPostNorm].data_ptr<float>(), xn, tokens, size,
-                                         layer.eps[1]);
-          linears.prepare(xn, tokens, size, layer, {4, 5}, ys);
-        });
-#pragma omp barrier
-      if (failed) break;
-      guarded([&] { linears.run(t, threads); });
-#pragma omp barrier
-      if (failed) break;
-      if (t == 0)
-        guarded([&] {  // silu(gate) * up, by aten's ops as the layer runs them
-          at::Tensor product = at::silu(ys[4]);
-          product.mul_(ys[5]);
-          ys[4] = product;  // kept alive while the threads read it
-          linears.prepare(product.data_ptr<float>(), tokens, product.size(1), layer, {6}, ys);
-        });
-#pragma omp barrier
-      if (failed) break;
-      guarded([&] { linears.run(t, threads); });  // down
-#pragma omp barrier
+        if (failed) break;
+      }
       if (failed) break;
       if (t == 0) {
         add(xm, ys[6].data_ptr<float>(), xo, n);
         x = xo;
       }
-      // (the next layer's first part is the calling thread's too: no barrier needed before it)
     }
   }
   if (error) std::rethrow_exception(error);
