@@ -4,24 +4,29 @@
 // of decoder_layer_cpu.cpp forks and joins the thread pool (five times a layer), and the ops
 // around them are called one by one, each allocating its output. Here the pool's threads enter
 // once for the whole stack. The linears and the attention are shared out (layer_parts.h: each
-// thread a band of outputs or a range of tasks, by the ops' own band functions); the small
-// steps between them (the norms, the rotation written straight into the query and the cache,
-// the residual sums, SiLU x up) run on the calling thread, by the ops' own row functions or
-// the same aten ops, into buffers made once a call; a barrier separates each part from the
-// next. Every value is computed by the same function on the same inputs as layer after layer,
-// so the output is bit-identical (the engine checks it at run time, as it checks the stack).
+// thread a band of outputs or a range of (row, KV head) tasks, by the ops' own band functions;
+// a task's queries and its key are rotated, and its key and value written to the cache, by the
+// thread that attends with them). The small steps that need a whole row (the norms, the
+// residual sums, SiLU x up) every thread computes for itself, by the ops' own row functions or
+// the same aten ops, into buffers made once a call: no thread waits on another's serial work.
+// Five barriers a layer separate the parts. Every value is computed by the same function on the
+// same inputs as layer after layer, so the output is bit-identical (the engine checks it at run
+// time, as it checks the stack).
 //
-// An error of any part (an argument check) is kept, every thread leaves at the next barrier,
-// and it is raised after the region.
+// An error of any part (an argument check) is kept, every thread leaves at that part's
+// barrier, and it is raised after the region.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/FunctionRef.h>
 #include <omp.h>
 
 #include <atomic>
 #include <cstring>
 #include <exception>
+#include <limits>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -62,8 +67,8 @@ bool fits(const Layer& layer, int64_t regime, int64_t hidden, int64_t head_dim) 
          vc.size(0) == kc.size(0);
 }
 
-// Some linears of a layer on x (float32 [rows, in]) into their buffers: set up by the calling
-// thread, shared out by `run` on every thread.
+// Some linears of a layer on x (float32 [rows, in]) into their buffers (shared by every thread,
+// each writing its band): one per thread, set up and run by that thread.
 struct Linears {
   std::vector<QuantRef> quant;
   std::vector<FloatRef> floats;
@@ -71,7 +76,7 @@ struct Linears {
   int64_t rows = 0, in = 0;
 
   void prepare(const float* input, int64_t rows_, int64_t in_, const Layer& layer,
-               std::initializer_list<int64_t> indices, std::vector<at::Tensor>& outputs) {
+               std::initializer_list<int64_t> indices, const std::vector<at::Tensor>& outputs) {
     x = input;
     rows = rows_;
     in = in_;
@@ -83,8 +88,8 @@ struct Linears {
       const bool packed = layer.codes[3 * i + (rows == 1 ? 0 : 1)] == kQuant;
       const int64_t out = w.size(0);  // codes [out, in] or (int4: the format word's low byte 4) [out, in / 2]
       const int64_t w_in = packed && (layer.quant_formats[2 * i] & 255) == 4 ? 2 * w.size(1) : w.size(1);
-      TORCH_CHECK(w_in == in, "decode_region: a weight of ", w_in, " inputs for x of ", in);
-      if (outputs[i].numel() != rows * out) outputs[i] = at::empty({rows, out}, w.options().dtype(at::kFloat));
+      TORCH_CHECK(w_in == in && outputs[i].numel() == rows * out, "decode_region: a weight of ", w_in,
+                  " inputs for x of ", in);
       float* y = outputs[i].data_ptr<float>();
       const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;  // float32 (fits)
       if (packed)
@@ -109,13 +114,21 @@ void add(const float* a, const float* b, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
 }
 
+// Every layer's linear i has the same output features (the shared buffers are cut to them).
+bool uniform(const std::vector<Layer>& layers) {
+  for (const Layer& layer : layers)
+    for (int64_t i = 0; i < kLinears; ++i)
+      if (layer.weights[kWeightOf[i]].size(0) != layers[0].weights[kWeightOf[i]].size(0)) return false;
+  return true;
+}
+
 }  // namespace
 
 at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& layers, const Step& step) {
   const int64_t tokens = hidden.size(1), size = hidden.size(2), head_dim = step.head_dim;
   if (hidden.scalar_type() != at::kFloat || !hidden.is_contiguous() || step.chunk_table.has_value() ||
       !step.decode_table.has_value() || tokens < 1 || tokens > kMaxRows || step.lora_rows.has_value() ||
-      at::in_parallel_region())
+      at::in_parallel_region() || !uniform(layers))
     return at::Tensor();
   const int64_t regime = tokens == 1 ? 0 : 1;
   for (const Layer& layer : layers)
@@ -135,99 +148,114 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
     for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(slot[t] >= 0 && slot[t] < layer.key_cache.size(1) && slot[t] < layer.value_cache.size(1),
                   "decode_region: slot ", slot[t], " is outside the cache");
+  const Layer& first = layers[0];
+  const int64_t heads = first.weights[kQ].size(0) / head_dim, kv_heads = first.key_cache.size(0);
+  const int64_t group = heads / kv_heads, inter = first.weights[kGate].size(0);
 
-  // Buffers for the whole call: the running hidden state and the residual sum [1, T, H], a
-  // norm's output, the linears' outputs (by linear), the rotated queries and the attention's
-  // output [T, heads, D].
+  // Shared buffers, written in bands (or tasks) by every thread and read by all after the
+  // part's barrier: the linears' outputs (by linear), the rotated queries, the attention's
+  // output [T, heads, D]. Each thread's own: the running hidden state, the residual sum, a
+  // norm's output (thread 0's hidden state is the result), SiLU x up, a row of scratch.
   const at::TensorOptions f32 = hidden.options();
-  const int64_t heads = layers[0].weights[kQ].size(0) / head_dim;
-  for (const Layer& layer : layers)  // the query and attention buffers serve every layer
-    if (layer.weights[kQ].size(0) != heads * head_dim) return at::Tensor();
-  at::Tensor out = at::empty_like(hidden), mid = at::empty_like(hidden), normed = at::empty_like(hidden);
-  at::Tensor query = at::empty({tokens, heads, head_dim}, f32), attn = at::empty({tokens, heads, head_dim}, f32);
   std::vector<at::Tensor> ys(kLinears);
-  std::vector<float> scratch(head_dim);
+  for (int64_t i = 0; i < kLinears; ++i) ys[i] = at::empty({tokens, first.weights[kWeightOf[i]].size(0)}, f32);
+  at::Tensor query = at::empty({tokens, heads, head_dim}, f32), attn = at::empty({tokens, heads, head_dim}, f32);
+  const int64_t threads = at::get_num_threads(), n = tokens * size;
+  at::Tensor out = at::empty_like(hidden);
+  at::Tensor own = at::empty({threads, 3 * n + head_dim}, f32);
+  std::vector<at::Tensor> products;
+  for (int64_t t = 0; t < threads; ++t) products.push_back(at::empty({tokens, inter}, f32));
+  std::vector<Linears> linears(threads);
   const at::Tensor no_sinks = at::empty({0}, f32);
-  const float* x = hidden.data_ptr<float>();  // the layer's input: `hidden`, then `out`
-  float *xo = out.data_ptr<float>(), *xm = mid.data_ptr<float>(), *xn = normed.data_ptr<float>();
-  const int64_t n = tokens * size;
-  Linears linears;
+  // A failing part's number and error (the earliest part's, if several fail): every thread
+  // leaves after that part's barrier, reading a number set before it (a thread already in
+  // the next part may fail too; its number is larger), and the error is raised after the region.
+  std::mutex failure;
   std::exception_ptr error;
-  std::atomic<bool> failed{false};
-  // q / k, a row of head_dim values, normed (Qwen3: the norm at `norm`, its epsilon after the
-  // layer's two) then rotated into dst
-  auto rotate = [&](const Layer& layer, const float* src, int64_t norm, int64_t t, float* dst) {
-    if (layer.weights.size() == 11) {
-      contbatch_parts::rms_norm_rows(src, layer.weights[norm].data_ptr<float>(), scratch.data(), 1, head_dim,
-                                     layer.eps[2 + norm - kQNorm]);
-      src = scratch.data();
-    }
-    contbatch_parts::rotate_row(src, cos.data_ptr<float>() + t * cos.stride(1), sin.data_ptr<float>() + t * sin.stride(1),
-                                dst, head_dim);
-  };
-  auto shared = [&](int64_t t, int64_t threads) { linears.run(t, threads); };
+  std::atomic<int64_t> failed_part{std::numeric_limits<int64_t>::max()};
+  const at::ThreadLocalState state;  // the caller's (inference mode) for the aten ops of every thread
   at::internal::lazy_init_num_threads();
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
   {
-    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const at::ThreadLocalStateGuard guard(state);
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    float* mine = own.data_ptr<float>() + t * own.size(1);
+    float *xo = t == 0 ? out.data_ptr<float>() : mine + 2 * n, *xm = mine, *xn = mine + n, *scratch = mine + 3 * n;
+    const float* x = hidden.data_ptr<float>();  // the layer's input: `hidden`, then this thread's `xo`
+    Linears& lin = linears[t];
+    at::Tensor& product = products[t];
+    // q / k, a row of head_dim values, normed (Qwen3: the norm at `norm`, its epsilon after the
+    // layer's two) then rotated into dst
+    const auto rotate = [&](const Layer& layer, const float* src, int64_t norm, int64_t r, float* dst) {
+      if (layer.weights.size() == 11) {
+        contbatch_parts::rms_norm_rows(src, layer.weights[norm].data_ptr<float>(), scratch, 1, head_dim,
+                                       layer.eps[2 + norm - kQNorm]);
+        src = scratch;
+      }
+      contbatch_parts::rotate_row(src, cos.data_ptr<float>() + r * cos.stride(1),
+                                  sin.data_ptr<float>() + r * sin.stride(1), dst, head_dim);
+    };
+    int64_t number = 0;  // the part's, counted over the layers
+    bool stop = false;
     for (const Layer& layer : layers) {
-      // A layer's parts in order: the calling thread's (`serial`) or every thread's share, each
-      // followed by a barrier. The residual sum ending a layer needs none: the next part that
-      // reads it is the calling thread's.
-      const auto input_norm = [&](int64_t, int64_t) {  // the input norm, then q, k and v
+      // A layer's parts, each followed by a barrier. What every thread needs whole (the norms,
+      // the residual sums, SiLU x up) each computes for itself: no thread waits for another's
+      // serial work, and the values are the same on all.
+      const auto qkv = [&] {  // the input norm, then q, k and v
         contbatch_parts::rms_norm_rows(x, layer.weights[kInNorm].data_ptr<float>(), xn, tokens, size, layer.eps[0]);
-        linears.prepare(xn, tokens, size, layer, {0, 1, 2}, ys);
+        lin.prepare(xn, tokens, size, layer, {0, 1, 2}, ys);
+        lin.run(t, team);
       };
-      const auto rotation = [&](int64_t, int64_t) {  // as the rotary op, into the query and the key cache
+      const auto attention = [&] {  // this thread's (row, KV head) tasks: rotation and K/V write, then attention
         const at::Tensor &kc = layer.key_cache, &vc = layer.value_cache;
-        const int64_t kv_heads = kc.size(0);
         const float *q = ys[0].data_ptr<float>(), *k = ys[1].data_ptr<float>(), *v = ys[2].data_ptr<float>();
         float *qr = query.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-        for (int64_t r = 0; r < tokens; ++r) {
-          for (int64_t h = 0; h < heads; ++h)
-            rotate(layer, q + (r * heads + h) * head_dim, kQNorm, r, qr + (r * heads + h) * head_dim);
-          for (int64_t h = 0; h < kv_heads; ++h) {
-            rotate(layer, k + (r * kv_heads + h) * head_dim, kKNorm, r, kp + h * kc.stride(0) + slot[r] * kc.stride(1));
-            std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
-                        head_dim * sizeof(float));
-          }
+        const auto [begin, end] = contbatch_parts::share_of(tokens * kv_heads, 1, t, team);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t r = task / kv_heads, h = task % kv_heads;
+          for (int64_t j = h * group; j < (h + 1) * group; ++j)
+            rotate(layer, q + (r * heads + j) * head_dim, kQNorm, r, qr + (r * heads + j) * head_dim);
+          rotate(layer, k + (r * kv_heads + h) * head_dim, kKNorm, r, kp + h * kc.stride(0) + slot[r] * kc.stride(1));
+          std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
+                      head_dim * sizeof(float));
         }
-        linears.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);
+        contbatch_parts::paged_decode_share(query, kc, vc, table, kv_lens, no_sinks, attn, step.block_size,
+                                            layer.scale, layer.window, t, team);
       };
-      const auto attention = [&](int64_t part, int64_t of) {
-        contbatch_parts::paged_decode_share(query, layer.key_cache, layer.value_cache, table, kv_lens, no_sinks, attn,
-                                            step.block_size, layer.scale, layer.window, part, of);
+      const auto o = [&] {
+        lin.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);
+        lin.run(t, team);
       };
-      const auto post_norm = [&](int64_t, int64_t) {  // the residual sum and the post-attention norm, then gate and up
+      const auto gate_up = [&] {  // the residual sum and the post-attention norm, then gate and up
         add(x, ys[3].data_ptr<float>(), xm, n);
         contbatch_parts::rms_norm_rows(xm, layer.weights[kPostNorm].data_ptr<float>(), xn, tokens, size, layer.eps[1]);
-        linears.prepare(xn, tokens, size, layer, {4, 5}, ys);
+        lin.prepare(xn, tokens, size, layer, {4, 5}, ys);
+        lin.run(t, team);
       };
-      const auto product = [&](int64_t, int64_t) {  // silu(gate) * up, by aten's ops as the layer runs them
-        at::Tensor y = at::silu(ys[4]);
-        y.mul_(ys[5]);
-        ys[4] = y;  // kept alive while the threads read it
-        linears.prepare(y.data_ptr<float>(), tokens, y.size(1), layer, {6}, ys);
+      const auto down = [&] {  // silu(gate) * up by aten's ops, as the layer runs them, then down
+        at::silu_out(product, ys[4]);
+        product.mul_(ys[5]);
+        lin.prepare(product.data_ptr<float>(), tokens, inter, layer, {6}, ys);
+        lin.run(t, team);
       };
-      const std::pair<bool, c10::function_ref<void(int64_t, int64_t)>> parts[] = {
-          {true, input_norm}, {false, shared},  {true, rotation}, {false, attention}, {false, shared},  // o
-          {true, post_norm},  {false, shared},  {true, product},  {false, shared}};                    // down
-      for (const auto& [serial, part] : parts) {
-        if (!serial || t == 0) {
-          try {
-            part(t, threads);
-          } catch (...) {
-            if (!failed.exchange(true)) error = std::current_exception();
+      const c10::function_ref<void()> parts[] = {qkv, attention, o, gate_up, down};
+      for (const auto& part : parts) {
+        try {
+          part();
+        } catch (...) {
+          const std::lock_guard<std::mutex> lock(failure);
+          if (number < failed_part.load()) {
+            failed_part.store(number);
+            error = std::current_exception();
           }
         }
 #pragma omp barrier
-        if (failed) break;
+        stop = failed_part.load() <= number++;
+        if (stop) break;
       }
-      if (failed) break;
-      if (t == 0) {
-        add(xm, ys[6].data_ptr<float>(), xo, n);
-        x = xo;
-      }
+      if (stop) break;
+      add(xm, ys[6].data_ptr<float>(), xo, n);  // the residual sum ending the layer
+      x = xo;
     }
   }
   if (error) std::rethrow_exception(error);
