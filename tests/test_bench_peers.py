@@ -3,6 +3,7 @@ parts that decide what runs and what is posted, checked without the peers instal
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -112,6 +113,58 @@ def test_a_failing_setup_step_names_itself():
         setup_peers.sh("llama.cpp build", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
     with pytest.raises(SystemExit):  # an unknown step name is refused before anything runs
         setup_peers.main(["--only", "nonsense"])
+
+
+_FAKE_SERVER = """#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({{"choices": [{{"text": " the"}}]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", port), Handler).handle_request()
+"""
+
+
+def _fake_llama_server(text: str) -> None:
+    binary = paths.llama_bin("llama-server")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text(text)
+    binary.chmod(0o755)
+
+
+def test_llama_check_rebuilds_without_amx_after_an_illegal_instruction(work, monkeypatch):
+    # A build that dies with SIGILL while loading (as ggml's AMX kernels do on some guests) is
+    # rebuilt with AMX off; the rebuilt one answers, and the record says why it is in use.
+    _fake_llama_server("#!/bin/sh\nkill -ILL $$\n")
+    builds = []
+
+    def rebuild(step, amx=True):
+        builds.append((step, amx))
+        _fake_llama_server(_FAKE_SERVER.format(python=sys.executable))
+
+    monkeypatch.setattr(setup_peers, "build_llama", rebuild)
+    assert not setup_peers.llama_checked()
+    setup_peers.check_llama()
+    assert builds == [("llama.cpp check", False)]
+    assert setup_peers.llama_checked()
+    found = json.loads(setup_peers.check_record().read_text())
+    assert found["amx"] is False and "SIGILL" in found["reason"] and "-mno-amx-int8" in found["reason"]
+
+    # a binary that fails otherwise is not rebuilt: the step fails with its exit and output
+    _fake_llama_server("#!/bin/sh\necho 'no such model' >&2\nexit 1\n")
+    assert not setup_peers.llama_checked()  # a new binary makes the record stale
+    with pytest.raises(setup_peers.SetupError, match="llama.cpp check.*exited 1.*no such model"):
+        setup_peers.check_llama()
+    assert len(builds) == 1
 
 
 def test_ttft_workload_shares_only_the_system_prompt():

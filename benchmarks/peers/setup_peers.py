@@ -12,6 +12,11 @@ Steps, each skipped when its result is already there (a second run does nothing 
 4. `llama.cpp build`: cmake Release, -DGGML_NATIVE=ON, only `llama-server` and `llama-quantize`.
 5. `models`: the model folders every system loads (`models.py`).
 6. `gguf`: each model at F32, F16, BF16, Q8_0 and Q4_0.
+7. `llama.cpp check`: `llama-server` loads the small model's Q8_0 file and answers a 64-token
+   prompt. A native build can die there with SIGILL in ggml's AMX kernels where the CPU lists
+   AMX but the kernel gives the server's worker threads no tile state (seen on KVM guests);
+   then it is rebuilt with AMX turned off (`-mno-amx-*`: the AVX-512 VNNI kernels run instead),
+   checked again, and `setup.json` says which build is in use and why.
 
 Everything is written under `paths.work_dir()`; what was resolved (versions, libraries, files)
 is written to `setup.json` there and printed. A failing step stops the run and says which step
@@ -25,6 +30,8 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,12 +131,73 @@ def gguf_installed() -> bool:
     return done.returncode == 0
 
 
-def build_llama() -> None:
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit ISA flags win over -march=native's
+
+
+def build_llama(step: str = "llama.cpp build", amx: bool = True) -> None:
     build = paths.work_dir() / "llama-build"
-    sh("llama.cpp build", ["cmake", "-S", str(paths.llama_source()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                           "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                           "-DLLAMA_BUILD_EXAMPLES=OFF"])
-    sh("llama.cpp build", ["cmake", "--build", str(build), "--config", "Release", "-j2", "--target", *LLAMA_TARGETS])
+    flags = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    sh(step, ["cmake", "-S", str(paths.llama_source()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF", *flags])
+    sh(step, ["cmake", "--build", str(build), "--config", "Release", "-j2", "--target", *LLAMA_TARGETS])
+
+
+def check_record() -> Path:
+    return paths.work_dir() / "llama-check.json"
+
+
+def serve_once() -> str | None:
+    """Start llama-server on the small model's Q8_0 file, ask for one completion of a 64-token
+    prompt (a batch: the path a prompt takes), stop it. None if it answered, else why not."""
+    port = 8198
+    argv = [str(paths.llama_bin("llama-server")), "-m", str(paths.gguf_path(paths.MODELS[0], "Q8_0")),
+            "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "2048", "--no-webui"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        body = json.dumps({"prompt": " the" * 64, "max_tokens": 4, "temperature": 0}).encode()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"llama-server exited {proc.returncode}: {proc.stderr.read()[-1500:]}"
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    json.load(resp)
+                return None
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)  # still loading (503), or not listening yet
+        return "llama-server did not answer within 120 s"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def check_llama() -> None:
+    failure = serve_once()
+    result = {"binary_mtime": paths.llama_bin("llama-server").stat().st_mtime, "amx": True, "reason": None}
+    if failure is not None:
+        if "exited -4" not in failure:  # not an illegal instruction: nothing a rebuild mends
+            raise SetupError(f"step 'llama.cpp check' failed: {failure}")
+        print(f"[llama.cpp check] the native build died (SIGILL); rebuilding with {NO_AMX}", flush=True)
+        build_llama("llama.cpp check", amx=False)
+        again = serve_once()
+        if again is not None:
+            raise SetupError(f"step 'llama.cpp check' failed without AMX too: {again}")
+        result = {"binary_mtime": paths.llama_bin("llama-server").stat().st_mtime, "amx": False,
+                  "reason": "the native build died with SIGILL in its AMX kernels; built with " + NO_AMX}
+    check_record().write_text(json.dumps(result))
+
+
+def llama_checked() -> bool:
+    """A check of the binary that is there now (a rebuild makes it stale)."""
+    try:
+        found = json.loads(check_record().read_text())
+        return found["binary_mtime"] == paths.llama_bin("llama-server").stat().st_mtime
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def make_models() -> None:
@@ -160,6 +228,7 @@ STEPS = [
     Step("llama.cpp build", lambda: all(paths.llama_bin(t).is_file() for t in LLAMA_TARGETS), build_llama),
     Step("models", lambda: all(models.complete(paths.model_dir(n)) for n in paths.MODELS), make_models),
     Step("gguf", all_ggufs, make_ggufs),
+    Step("llama.cpp check", llama_checked, check_llama),
 ]
 
 
@@ -169,6 +238,7 @@ def record() -> dict:
     out = {"work_dir": str(paths.work_dir()), "venv": str(paths.venv_python()), "versions": venv_probe(),
            "tcmalloc": str(paths.tcmalloc()), "iomp": str(paths.iomp()),
            "llama_source": str(paths.llama_source()), "llama_server": str(paths.llama_bin("llama-server")),
+           "llama_check": json.loads(check_record().read_text()) if check_record().is_file() else None,
            "models": {n: str(paths.model_dir(n)) for n in paths.MODELS}, "gguf_bytes": files,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     paths.setup_record().write_text(json.dumps(out, indent=1))
