@@ -13,9 +13,8 @@ Steps, each skipped when its result is already there (a second run does nothing 
 5. `models`: the model folders every system loads (`models.py`).
 6. `gguf`: each model at F32, F16, BF16, Q8_0 and Q4_0.
 7. `llama.cpp check`: `llama-server` loads the small model's Q8_0 file and answers a 64-token
-   prompt. A native build can die there with SIGILL in ggml's AMX kernels where the CPU lists
-   AMX but the kernel gives the server's worker threads no tile state (seen on KVM guests);
-   then it is rebuilt with AMX turned off (`-mno-amx-*`: the AVX-512 VNNI kernels run instead),
+   prompt. A native build can die there with SIGILL in ggml's AMX kernels (seen on a virtual
+   machine whose CPU lists AMX); then it is rebuilt with AMX turned off (`-mno-amx-*`: the AVX-512 VNNI kernels run instead),
    checked again, and `setup.json` says which build is in use and why.
 
 Everything is written under `paths.work_dir()`; what was resolved (versions, libraries, files)
