@@ -14,8 +14,9 @@ Steps, each skipped when its result is already there (a second run does nothing 
 6. `gguf`: each model at F32, F16, BF16, Q8_0 and Q4_0.
 7. `llama.cpp check`: `llama-server` loads the small model's Q8_0 file and answers a 64-token
    prompt. A native build can die there with SIGILL in ggml's AMX kernels (seen on a virtual
-   machine whose CPU lists AMX); then it is rebuilt with AMX turned off (`-mno-amx-*`: the AVX-512 VNNI kernels run instead),
-   checked again, and `setup.json` says which build is in use and why.
+   machine whose CPU lists AMX); then it is rebuilt with AMX turned off (`-mno-amx-*`: its
+   AVX-512 VNNI kernels run instead), checked again, and `setup.json` says which build is in
+   use and why.
 
 Everything is written under `paths.work_dir()`; what was resolved (versions, libraries, files)
 is written to `setup.json` there and printed. A failing step stops the run and says which step
@@ -28,6 +29,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -152,13 +154,15 @@ def serve_once() -> str | None:
     port = 8198
     argv = [str(paths.llama_bin("llama-server")), "-m", str(paths.gguf_path(paths.MODELS[0], "Q8_0")),
             "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "2048", "--no-webui"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # its log, read back on failure (a pipe could fill and stall it)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         body = json.dumps({"prompt": " the" * 64, "max_tokens": 4, "temperature": 0}).encode()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                return f"llama-server exited {proc.returncode}: {proc.stderr.read()[-1500:]}"
+                log.seek(0)
+                return f"llama-server exited {proc.returncode}: {log.read()[-1500:]}"
             try:
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                              {"Content-Type": "application/json"})
@@ -172,6 +176,7 @@ def serve_once() -> str | None:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
+        log.close()
 
 
 def check_llama() -> None:
