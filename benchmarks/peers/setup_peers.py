@@ -26,6 +26,7 @@ failed and why (the tail of the failing command's output).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tarfile
@@ -148,9 +149,10 @@ def check_record() -> Path:
     return paths.work_dir() / "llama-check.json"
 
 
-def serve_once() -> str | None:
+def serve_once() -> tuple[int | None, str] | None:
     """Start llama-server on the small model's Q8_0 file, ask for one completion of a 64-token
-    prompt (a batch: the path a prompt takes), stop it. None if it answered, else why not."""
+    prompt (a batch: the path a prompt takes), stop it. None if it answered, else its exit code
+    (None if it did not exit) and why not."""
     port = 8198
     argv = [str(paths.llama_bin("llama-server")), "-m", str(paths.gguf_path(paths.MODELS[0], "Q8_0")),
             "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "2048", "--no-webui"]
@@ -162,7 +164,7 @@ def serve_once() -> str | None:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 log.seek(0)
-                return f"llama-server exited {proc.returncode}: {log.read()[-1500:]}"
+                return proc.returncode, f"llama-server exited {proc.returncode}: {log.read()[-1500:]}"
             try:
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                              {"Content-Type": "application/json"})
@@ -171,7 +173,7 @@ def serve_once() -> str | None:
                 return None
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.5)  # still loading (503), or not listening yet
-        return "llama-server did not answer within 120 s"
+        return None, "llama-server did not answer within 120 s"
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -180,19 +182,19 @@ def serve_once() -> str | None:
 
 
 def check_llama() -> None:
-    failure = serve_once()
-    result = {"binary_mtime": paths.llama_bin("llama-server").stat().st_mtime, "amx": True, "reason": None}
+    failure, reason = serve_once(), None
     if failure is not None:
-        if "exited -4" not in failure:  # not an illegal instruction: nothing a rebuild mends
-            raise SetupError(f"step 'llama.cpp check' failed: {failure}")
+        code, why = failure
+        if code != -signal.SIGILL:  # not an illegal instruction: nothing a rebuild mends
+            raise SetupError(f"step 'llama.cpp check' failed: {why}")
         print(f"[llama.cpp check] the native build died (SIGILL); rebuilding with {NO_AMX}", flush=True)
         build_llama("llama.cpp check", amx=False)
         again = serve_once()
         if again is not None:
-            raise SetupError(f"step 'llama.cpp check' failed without AMX too: {again}")
-        result = {"binary_mtime": paths.llama_bin("llama-server").stat().st_mtime, "amx": False,
-                  "reason": "the native build died with SIGILL in its AMX kernels; built with " + NO_AMX}
-    check_record().write_text(json.dumps(result))
+            raise SetupError(f"step 'llama.cpp check' failed without AMX too: {again[1]}")
+        reason = "the native build died with SIGILL in its AMX kernels; built with " + NO_AMX
+    check_record().write_text(json.dumps({"binary_mtime": paths.llama_bin("llama-server").stat().st_mtime,
+                                          "amx": reason is None, "reason": reason}))
 
 
 def llama_checked() -> bool:
