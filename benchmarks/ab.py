@@ -1,16 +1,18 @@
 """A/B of two source trees (or two settings) on one offline workload, interleaved.
 
 For "did this change slow anything down": each run is a fresh process importing contbatch from
-the tree given (`PYTHONPATH`), on the default model, the same prompts (64 cut from one text,
-16-256 tokens, 64 new tokens each, EOS ignored, greedy), warmed up the same way; the systems
-alternate, `--repeats` rounds, and each row reports its median tok/s with [min, max], the load
-average, and whether every system's tokens equal the first one's.
+the tree given (`PYTHONPATH`), on the default model (or `--model`, a local folder or GGUF file),
+the same prompts (64 cut from one text, 16-256 tokens, 64 new tokens each, EOS ignored, greedy),
+warmed up the same way; the systems alternate, `--repeats` rounds, and each row reports its
+median tok/s with [min, max], the load average, and whether every system's tokens equal the
+first one's.
 
     git worktree add /tmp/before <commit>
     python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
     python benchmarks/ab.py eager=. compiled=.:--compile-level=1   # same tree, two settings
     python benchmarks/ab.py now=. mkl=.:--cpu-kernel-overrides='{"linear":"aten"}' gather=.:--decode-fast-path=false
     python benchmarks/ab.py glibc=. tcmalloc=.:--env=LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+    python benchmarks/ab.py before=/tmp/before after=. --model benchmarks/peers/.work/models/qwen2.5-0.5b-shape
 
 Options after a tree are `ContinuousBatchingConfig` fields, dashes for underscores
 (`--compile-level` is `default_compile_level`); values are parsed as JSON where they can be.
@@ -30,11 +32,12 @@ from transformers import GenerationConfig
 import contbatch
 from contbatch import ContinuousBatchingConfig, generate_batch, load_model
 dtype, n, new, kw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+model_path = sys.argv[6]  # "" for the embedded model
 for path in ("decode_compile_config", "varlen_compile_config"):  # given as JSON objects
     if isinstance(kw.get(path), dict):
         from transformers import CompileConfig
         kw[path] = CompileConfig(**kw[path])
-model, tok = load_model(dtype=getattr(torch, dtype))
+model, tok = load_model(model_path or None, dtype=getattr(torch, dtype))
 ids = tok.encode(open(sys.argv[5]).read())
 prompts = [ids[(i * 997) % (len(ids) - 300):][: 16 + (i * 53) % 241] for i in range(n)]
 gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
@@ -76,8 +79,8 @@ def parse_systems(specs: list[str]) -> dict[str, tuple[str, dict]]:
 def run(tree: str, extra: dict, args) -> dict:
     extra = dict(extra)
     env = dict([extra.pop("--env").split("=", 1)]) if "--env" in extra else None
-    return H.run_child(CHILD, [args.dtype, args.prompts, args.new_tokens, json.dumps(config_kwargs(extra)), TEXT],
-                       tree=tree, env=env)
+    return H.run_child(CHILD, [args.dtype, args.prompts, args.new_tokens, json.dumps(config_kwargs(extra)), TEXT,
+                              str(Path(args.model).resolve()) if args.model else ""], tree=tree, env=env)
 
 
 def main() -> None:
@@ -87,6 +90,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="", help="a local HF folder or .gguf file (default: the embedded model)")
     p.add_argument("--json", default=None)
     args = H.parse(p)
     systems = parse_systems(args.systems)
@@ -97,7 +101,8 @@ def main() -> None:
         load.sample()
     names = list(systems)
     first = runs[names[0]][0]["tokens"]
-    print(f"{args.prompts} prompts, {args.new_tokens} new tokens, {args.dtype}, {args.repeats} interleaved rounds, "
+    print(f"{args.model or 'default model'}: {args.prompts} prompts, {args.new_tokens} new tokens, {args.dtype}, "
+          f"{args.repeats} interleaved rounds, "
           f"{load.line()}, {load.elapsed_s:.0f} s")
     base = H.Spread.of([r["tok_s"] for r in runs[names[0]]])
     rows = []

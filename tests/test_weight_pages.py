@@ -110,6 +110,28 @@ def test_a_manager_moves_the_one_row_weights_and_stays_exact():
         assert all(weight_pages.is_moved(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+@pytest.mark.parametrize("linear", ["onednn", "aten"])
+def test_every_routable_weight_moves_whatever_its_kernel_none_under_aten(linear):
+    """A lone request's decode reads every linear weight whole, whichever kernel runs it: all of
+    them move (here oneDNN's, which never runs `small_linear`); a plan that keeps PyTorch's
+    linears (asked `aten`) moves none. Tokens are the same either way."""
+    model = make_tiny_model("llama", seed=5)
+    available = hugepages.availability()[0]
+    config = ContinuousBatchingConfig(cpu_kernel_overrides={"linear": linear})
+    manager = ContinuousBatchingManager(model, config=config)
+    pages = manager.resolved_config.cpu.pages
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    want_bytes = sum(m.weight.numel() * 4 for m in linears) if linear != "aten" else 0
+    assert pages.nbytes == want_bytes, pages
+    prompts = random_prompts(2, 5, 16, seed=5)
+    want = [reference_generate(model, p, 10) for p in prompts]
+    out = generate_batch(model, prompts, GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None),
+                         progress_bar=False, config=config)
+    assert [out[f"req_{i}"].generated_tokens for i in range(2)] == want
+    assert all(weight_pages.is_moved(m.weight) for m in linears) == (available and linear != "aten")
+
+
 def test_private_mapping_is_zero_aligned_and_huge_where_available():
     buffer, start = hugepages.zeroed_buffer(5 << 20)
     t = torch.frombuffer(buffer, dtype=torch.uint8, count=5 << 20, offset=start)

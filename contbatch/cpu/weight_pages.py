@@ -1,13 +1,14 @@
 """Weights that every decode step reads whole, moved once into memory on 2 MiB pages.
 
-A lone request's decode step streams each linear weight from memory once (`small_linear`).
+A lone request's decode step streams each linear weight from memory once.
 On 4 KiB pages a 1 GB model spans a quarter of a million pages, and the reads of a step keep
 missing the TLB; on 2 MiB pages (the kernel's transparent huge pages, asked for with
 `madvise(MADV_HUGEPAGE)`) the same reads ran at a higher bandwidth (figures in docs/cpu.md).
 The KV cache lives on such pages for the same reason (`cache/paged_cache.py`).
 
-`plan_pages` says, once per manager start, which weights those are and whether they move: the
-weights `small_linear` reads at one row (the linear plan's one-row routes) and every packed
+`plan_pages` says, once per manager start, which weights those are and whether they move: every
+float linear weight the linear router may route (`routers.linear.one_row_weights`: at one row
+each is read whole, by `small_linear` or by aten's GEMV alike) and every packed
 weight (`cpu/quant`: codes, scales and mins of quantized linears and embeddings, which their
 one-row kernels stream the same way); `CpuRouters.install` moves them. `move_to_huge_pages`
 copies the given tensors, back to back, into one private anonymous mapping advised for huge
@@ -49,9 +50,8 @@ class PagesPlan:
 
 
 def decode_weights(model: torch.nn.Module, one_row: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors a lone request's decode step streams through our kernels: `one_row` (the
-    weights of the linears whose one-row route is `small_linear`: `routers.linear.one_row_weights`)
-    and every packed weight's buffers."""
+    """The tensors a lone request's decode step streams whole: `one_row` (the float linears'
+    weights: `routers.linear.one_row_weights`) and every packed weight's buffers."""
     out = list(one_row)
     for m in model.modules():
         if isinstance(m, (QuantLinear, QuantEmbedding)):

@@ -83,10 +83,12 @@ def shape_of(m: torch.nn.Linear) -> Shape:
 
 
 def one_row_weights(model: torch.nn.Module, plan: LinearPlan) -> list[torch.Tensor]:
-    """The weights `small_linear` reads at one row under `plan` (what a lone request's decode
-    streams from memory); before the plan is installed (`candidates` skips routed layers)."""
-    one_row = {shape for shape, kernels in plan.routes if kernels[0] == "small_linear"}
-    return [m.weight for m in candidates(model) if shape_of(m) in one_row]
+    """The float weights a lone request's decode step streams whole from memory: every candidate
+    layer's, whichever kernel `plan` gives it at one row (aten's GEMV misses the TLB on 4 KiB
+    pages as `small_linear` does: docs/cpu.md), none where the plan keeps PyTorch's linears
+    everywhere (asked `aten`, or every CPU kernel off). Called before the plan is installed
+    (`candidates` skips routed layers)."""
+    return [] if plan.kernel == "aten" else [m.weight for m in candidates(model)]
 
 
 def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list[str]) -> tuple[bool, str]:
