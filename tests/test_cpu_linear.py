@@ -150,7 +150,7 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     for regime in range(3):
         assert set(auto.kernels_at(regime)) <= shapes
         assert set(auto.kernels_at(regime).values()) <= {"onednn", "small_linear"}
-    assert "4 rows:" in auto.summary and "64 rows:" in auto.summary
+    assert "4 rows:" in auto.summary and "32 rows:" in auto.summary
     assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
     double = make_tiny_model("llama").to(torch.float64)

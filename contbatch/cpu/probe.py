@@ -39,7 +39,8 @@ logger = logging.getLogger("contbatch")
 
 POOL_BYTES = 128 << 20  # probe weights streamed from at most this much memory
 MIN_STREAM_BYTES = 16 << 20
-HOT_ROWS = 16  # from this many rows a product is compute-bound (see `time_kernels`)
+HOT_ROWS = 64  # from this many rows a product is timed as compute-bound (see `time_kernels`); the
+# batch regime's 32-row product streams its weights, where the kernels part (docs/cpu.md)
 HOT_BYTES = 8 << 20  # weight copies those products are timed on
 CLOSE = 1.25  # kernels within this factor of the best get more timed passes (`_best_of`)
 PROBE_VERSION = 2

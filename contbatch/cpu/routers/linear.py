@@ -3,7 +3,7 @@
 The kernels: `aten` (`F.linear`), `onednn` and `upcast` (`linear_kernels.py`), `small_linear` (ours,
 1-7 rows of float32 or bfloat16: `ops.small_linear`). `plan_linear` chooses per weight shape
 and dtype and per row regime: one row (a lone request decoding), a few rows (2 to FEW_ROWS - 1:
-a few requests, a speculative verification run; timed at 4) and a batch (timed at 64). "auto"
+a few requests, a speculative verification run; timed at 4) and a batch (timed at 32). "auto"
 times every available kernel on the model's own shapes (`probe.py`) and takes one other than
 aten only where it wins by WIN_MARGIN; the timings persist per machine, so later starts route,
 and round, the same way. A kernel named instead of "auto" is forced where it is available
@@ -45,8 +45,11 @@ from .base import Router
 logger = logging.getLogger("contbatch")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PROBE_ROWS = (1, 4, 64)  # the three regimes, each with its own verdict per weight shape
-FEW_ROWS = ops.SMALL_LINEAR_MAX_ROWS + 1  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 64-row one
+# The three regimes, each with its own verdict per weight shape. The batch regime's row count is
+# a batched decode step's (tens of streams), where the kernels differ most; prompt chunks (hundreds
+# of rows) are compute-bound, and there the kernels are within a few percent (docs/cpu.md).
+PROBE_ROWS = (1, 4, 32)
+FEW_ROWS = ops.SMALL_LINEAR_MAX_ROWS + 1  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 32-row one
 WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
 PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
 
