@@ -207,6 +207,14 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
         for (int o = 0; o < O; ++o) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w[o], quad);
       }
   };
+  if constexpr (R == 1) {  // one row streams the codes: ask for each tile's block kPrefetchBytes on (vec.h)
+    constexpr int64_t kLines = BITS == 8 ? 8 : 4;  // a block's 64-byte lines of one tile's codes
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o)
+#pragma GCC unroll 8
+      for (int64_t q = 0; q < kLines; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(tile[o] + (b * kLines + q) * 64 + kPrefetchBytes), _MM_HINT_T0);
+  }
   __m512i w[O];
   if constexpr (BITS == 8 || WIDE) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));

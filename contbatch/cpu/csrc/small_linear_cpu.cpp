@@ -55,6 +55,11 @@ void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, in
 #pragma GCC unroll 4
     for (int q = 0; q < O; ++q) {
       const W* wr = w + (o0 + q * stride) * in;
+      if constexpr (R == 1) {  // one row streams the weight: ask for the lines kPrefetchBytes on (vec.h)
+        const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        if constexpr (sizeof(W) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      }
       const __m512 v0 = load16(wr + i), v1 = load16(wr + i + 16);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
