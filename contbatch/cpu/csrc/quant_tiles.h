@@ -207,7 +207,7 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
         for (int o = 0; o < O; ++o) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w[o], quad);
       }
   };
-  if constexpr (R == 1) {  // one row streams the codes: ask for each tile's block kPrefetchBytes on (vec.h)
+  if constexpr (R <= 2 && !WIDE) {  // one or two rows stream the codes: ask for each tile's block kPrefetchBytes on
     constexpr int64_t kLines = BITS == 8 ? 8 : 4;  // a block's 64-byte lines of one tile's codes
 #pragma GCC unroll 4
     for (int o = 0; o < O; ++o)

@@ -24,10 +24,10 @@
 
 namespace contbatch_vec {
 
-// How far ahead a one-row kernel asks for the weight it streams (`_mm_prefetch` into L1), in
-// each of its streams: the hardware prefetcher follows a stream within a 4 KiB page and starts
-// over at the next, and a software request a page on keeps the reads going across the border
-// (docs/cpu.md has the figures).
+// How far ahead a kernel streaming a weight for one row (packed weights: one or two) asks for
+// it (`_mm_prefetch` into L1), in each of its streams: the hardware prefetcher follows a stream
+// within a 4 KiB page and starts over at the next, and a software request a page on keeps the
+// reads going across the border (docs/cpu.md has the figures).
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline float widen(float v) { return v; }
