@@ -197,6 +197,43 @@ def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     assert per_layer == results and len(stacked) == count
 
 
+@pytest.mark.parametrize("method", [None, "int4"])
+def test_the_stack_reads_a_tensor_replaced_between_steps(method):
+    """The stack's call holds its step-independent lists in C++ (`ops.stack_args`); a weight (a
+    new Parameter, as user code assigns one) or a packed linear's scales (a new buffer) replaced
+    while the manager runs is what the next steps read: the held lists are made again, and the
+    tokens equal `model.generate`'s on the changed model (which differ from the old model's)."""
+    from contbatch.setup.quantize import quantize_model
+
+    model = make_tiny_model("llama")
+    if method:
+        quantize_model(model, method)
+    before, after = random_prompts(3, 8, 30, seed=5), random_prompts(3, 8, 30, seed=6)  # no prefix shared
+    old = [reference_generate(model, p, 6) for p in after]
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, max_batch_tokens=32))
+    manager.start()
+    try:
+        for i in manager.add_requests(before):
+            manager.get_result(i, timeout=120)
+        stack = _router(manager).shared.stack
+        held = stack.held[1]
+        assert held is not None  # the stack ran
+        down = model.model.layers[1].mlp.down_proj
+        with torch.no_grad():
+            if method:
+                down.scales = down.scales * -1.5
+            else:
+                down.weight = torch.nn.Parameter(down.weight * -1.5, requires_grad=False)
+        got = [manager.get_result(i, timeout=120).generated_tokens for i in manager.add_requests(after)]
+        assert stack.held[1] is not held
+    finally:
+        manager.stop(timeout=30)
+    assert stack.held == (None, None)  # let go with the manager (its lists hold the cache)
+    new = [reference_generate(model, p, 6) for p in after]
+    assert got == new and new != old
+
+
 def test_no_stack_where_the_loop_is_not_a_plain_chain_or_a_layer_has_hooks(monkeypatch):
     """A model whose loop skips a layer (here: config.num_hidden_layers below the layers it
     holds) never proves a chain; a hook added to a layer while the manager runs puts the steps

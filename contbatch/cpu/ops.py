@@ -153,7 +153,7 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
                   decode: tuple, chunks: tuple, block_size: int, scales: list[float], windows: list[int],
                   head_dim: int, lora_a: list[torch.Tensor | None] | None = None,
                   lora_bt: list[torch.Tensor | None] | None = None, lora: tuple = (None,) * 3 + ((),),
-                  quant: list[tuple | None] | None = None) -> torch.Tensor:
+                  quant: tuple[list, list, list[int]] | None = None) -> torch.Tensor:
     """Consecutive Llama-family decoder layers as one call: per layer, the kernels above and the
     attention kernels in the order the layer's own forward runs them, so the output is the
     per-module path's bit for bit. The lists hold one layer after the other: `weights` its
@@ -165,16 +165,43 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     chunks or four None. `lora_a` and `lora_bt` hold a LoRA hook's stacked factors per linear
     (None where none applies; lora/hooks.py), `lora` the step's (rows, drop, inverse, bounds)
     groups (lora/segments.py's LoraStep; bounds () when padded): the call then adds each
-    adapter's contribution after its linear, by the hook's own ops. `quant` holds,
-    per linear, a packed weight's (scales, mins, bits, group) or None: such a linear has its codes
-    in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as QuantLinear does."""
+    adapter's contribution after its linear, by the hook's own ops. `quant` is three lists,
+    one entry per linear: a packed weight's scales, its mins (None for a symmetric format) and,
+    two ints a linear, its (bits, group) (None, None and 0, 0 for a float linear); a packed
+    linear has its codes in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as
+    QuantLinear does. None: no linear is packed."""
     none = [None] * len(biases)
-    quant = none if quant is None else quant
+    scales_q, mins_q, formats = (none, none, [0] * (2 * len(biases))) if quant is None else quant
     return torch.ops.contbatch_cpu.decoder_stack(
         hidden, weights, biases, packed, codes, eps, cos, sin, keys, values, slots, *decode, *chunks, block_size,
         scales, windows, head_dim, none if lora_a is None else lora_a, none if lora_bt is None else lora_bt, *lora,
-        [None if q is None else q[0] for q in quant], [None if q is None else q[1] for q in quant],
-        [v for q in quant for v in ((0, 0) if q is None else q[2:])])
+        scales_q, mins_q, formats)
+
+
+def stack_args(weights: list[torch.Tensor], biases: list[torch.Tensor | None], codes: list[int], eps: list[float],
+               keys: list[torch.Tensor], values: list[torch.Tensor], scales: list[float], windows: list[int],
+               quant: tuple[list, list, list[int]] | None = None) -> torch.ScriptObject:
+    """`decoder_stack`'s lists that a step does not change, as one object held in C++
+    (csrc/decoder_stack_bound_cpu.cpp), for `decoder_stack_bound`: made once, they are not
+    converted from Python at every call. It holds the tensors themselves: a replaced tensor
+    (a new object in a module's dict) needs a new one, which the caller makes."""
+    none = [None] * len(biases)
+    scales_q, mins_q, formats = (none, none, [0] * (2 * len(biases))) if quant is None else quant
+    return torch.classes.contbatch_cpu.StackArgs(weights, biases, codes, eps, keys, values, scales, windows,
+                                                 scales_q, mins_q, formats)
+
+
+def decoder_stack_bound(hidden: torch.Tensor, args: torch.ScriptObject, packed: list[torch.Tensor | None],
+                        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, decode: tuple, chunks: tuple,
+                        block_size: int, head_dim: int, lora_a: list[torch.Tensor | None] | None = None,
+                        lora_bt: list[torch.Tensor | None] | None = None,
+                        lora: tuple = (None,) * 3 + ((),)) -> torch.Tensor:
+    """`decoder_stack` with its step-independent lists in `args` (`stack_args`): the same layers,
+    bit for bit. `packed`, `lora_a` and `lora_bt` are the step's, one entry per linear, or empty
+    (None for every linear)."""
+    return torch.ops.contbatch_cpu.decoder_stack_bound(
+        hidden, args, packed, cos, sin, slots, *decode, *chunks, block_size, head_dim,
+        [] if lora_a is None else lora_a, [] if lora_bt is None else lora_bt, *lora)
 
 
 # -- sampling --------------------------------------------------------------------------------

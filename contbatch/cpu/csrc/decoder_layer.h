@@ -56,6 +56,30 @@ struct Step {
   at::IntArrayRef lora_bounds;  // segmented groups: G + 1 offsets into lora_rows (empty: padded)
 };
 
+// Every layer's arguments of a decoder_stack call, laid end to end (decoder_layer_cpu.cpp's
+// header gives the layout): views into lists its caller holds for the call.
+struct StackView {
+  at::ArrayRef<at::Tensor> weights;
+  const std::optional<at::Tensor>* biases;
+  const std::optional<at::Tensor>* packed;
+  at::ArrayRef<int64_t> codes;
+  at::ArrayRef<double> eps;
+  at::ArrayRef<at::Tensor> key_caches;
+  at::ArrayRef<at::Tensor> value_caches;
+  at::ArrayRef<double> scales;
+  at::ArrayRef<int64_t> windows;
+  const std::optional<at::Tensor>* lora_a;
+  const std::optional<at::Tensor>* lora_bt;
+  const std::optional<at::Tensor>* quant_scales;
+  const std::optional<at::Tensor>* quant_mins;
+  at::ArrayRef<int64_t> quant_formats;
+  int64_t linears;  // the length of each per-linear array above
+};
+
+// The layers of `view` on `hidden`, one after the other (or as one decode region): checks the
+// lists' lengths and agreement, then runs them. decoder_stack and decoder_stack_bound both end here.
+at::Tensor run_stack(const at::Tensor& hidden, const StackView& view, const Step& step);
+
 // Every decoder layer of a decode step (each row one query token, 1 to kMaxRows rows) inside
 // one parallel region (decode_region_cpu.cpp), when every linear of every layer takes our
 // few-row float32 kernel or a packed one at this row count, the activations are float32 and

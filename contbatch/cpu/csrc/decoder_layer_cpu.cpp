@@ -276,54 +276,64 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
                          const std::optional<at::Tensor>& lora_drop, const std::optional<at::Tensor>& lora_inverse,
                          at::IntArrayRef lora_bounds, const c10::List<std::optional<at::Tensor>>& quant_scales,
                          const c10::List<std::optional<at::Tensor>>& quant_mins, at::IntArrayRef quant_formats) {
-  const int64_t layers = static_cast<int64_t>(scales.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(windows.size()) == layers &&
-                  static_cast<int64_t>(key_caches.size()) == layers &&
-                  static_cast<int64_t>(value_caches.size()) == layers,
-              "decoder_stack: one scale, window and cache per layer");
-  const int64_t per_layer = static_cast<int64_t>(weights.size()) / layers;
-  const int64_t norms = per_layer == 11 ? 4 : 2;
-  TORCH_CHECK((per_layer == 9 || per_layer == 11) && static_cast<int64_t>(weights.size()) == per_layer * layers,
-              "decoder_stack: 9 or 11 weights per layer");
-  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kLinears * layers &&
-                  static_cast<int64_t>(packed.size()) == kLinears * layers &&
-                  static_cast<int64_t>(codes.size()) == 3 * kLinears * layers &&
-                  static_cast<int64_t>(eps.size()) == norms * layers,
-              "decoder_stack: one bias, packed weight and route per linear, one epsilon per norm");
-  TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == kLinears * layers &&
-                  static_cast<int64_t>(lora_bt.size()) == kLinears * layers,
-              "decoder_stack: LoRA factors (or None) for every linear");
-  TORCH_CHECK(static_cast<int64_t>(quant_scales.size()) == kLinears * layers &&
-                  static_cast<int64_t>(quant_mins.size()) == kLinears * layers &&
-                  static_cast<int64_t>(quant_formats.size()) == 2 * kLinears * layers,
-              "decoder_stack: scales, mins (or None) and (bits, group) for every linear");
-  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
-                  chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse, lora_bounds};
-  check_step(hidden, step);
+  const int64_t linears = static_cast<int64_t>(biases.size());
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == linears && static_cast<int64_t>(lora_a.size()) == linears &&
+                  static_cast<int64_t>(lora_bt.size()) == linears &&
+                  static_cast<int64_t>(quant_scales.size()) == linears &&
+                  static_cast<int64_t>(quant_mins.size()) == linears,
+              "decoder_stack: a bias, packed weight, LoRA factors and scales and mins (or None) for every linear");
   const std::vector<std::optional<at::Tensor>> bias = biases.vec(), blocked = packed.vec();
   const std::vector<std::optional<at::Tensor>> shrink = lora_a.vec(), expand = lora_bt.vec();
   const std::vector<std::optional<at::Tensor>> qscales = quant_scales.vec(), qmins = quant_mins.vec();
+  const Step step{cos, sin, slots, decode_table, decode_kv_lens, chunk_table, chunk_q_start, chunk_q_lens,
+                  chunk_kv_lens, block_size, head_dim, lora_rows, lora_drop, lora_inverse, lora_bounds};
+  return run_stack(hidden,
+                   StackView{weights, bias.data(), blocked.data(), codes, eps, key_caches, value_caches, scales,
+                             windows, shrink.data(), expand.data(), qscales.data(), qmins.data(), quant_formats,
+                             linears},
+                   step);
+}
+
+}  // namespace
+
+namespace contbatch_layer {
+
+at::Tensor run_stack(const at::Tensor& hidden, const StackView& v, const Step& step) {
+  const int64_t layers = static_cast<int64_t>(v.scales.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v.windows.size()) == layers &&
+                  static_cast<int64_t>(v.key_caches.size()) == layers &&
+                  static_cast<int64_t>(v.value_caches.size()) == layers,
+              "decoder_stack: one scale, window and cache per layer");
+  const int64_t per_layer = static_cast<int64_t>(v.weights.size()) / layers;
+  const int64_t norms = per_layer == 11 ? 4 : 2;
+  TORCH_CHECK((per_layer == 9 || per_layer == 11) && static_cast<int64_t>(v.weights.size()) == per_layer * layers,
+              "decoder_stack: 9 or 11 weights per layer");
+  TORCH_CHECK(v.linears == kLinears * layers && static_cast<int64_t>(v.codes.size()) == 3 * kLinears * layers &&
+                  static_cast<int64_t>(v.eps.size()) == norms * layers &&
+                  static_cast<int64_t>(v.quant_formats.size()) == 2 * kLinears * layers,
+              "decoder_stack: per linear a bias, packed weight, LoRA factors, (bits, group) and three routes; "
+              "one epsilon per norm");
+  check_step(hidden, step);
   for (int64_t i = 0; i < kLinears * layers; ++i) {
     const int64_t layer = i / kLinears, linear = i % kLinears;
     bool any = false, all = true;
     for (int64_t r = 0; r < 3; ++r) {
-      const bool q = codes[layer * 3 * kLinears + 3 * linear + r] == kQuant;
+      const bool q = v.codes[layer * 3 * kLinears + 3 * linear + r] == kQuant;
       any = any || q;
       all = all && q;
     }
-    TORCH_CHECK(any == all && all == qscales[i].has_value(),
+    TORCH_CHECK(any == all && all == v.quant_scales[i].has_value(),
                 "decoder_stack: a packed linear takes the quantized kernel at every row count, with its scales");
-  }
-  for (size_t i = 0; i < shrink.size(); ++i)
-    TORCH_CHECK(shrink[i].has_value() == expand[i].has_value() && (!shrink[i].has_value() || lora_rows.has_value()),
+    TORCH_CHECK(v.lora_a[i].has_value() == v.lora_bt[i].has_value() && (!v.lora_a[i].has_value() || step.lora_rows.has_value()),
                 "decoder_stack: LoRA factors in pairs, with the step's LoRA rows");
+  }
   std::vector<Layer> each;
   for (int64_t i = 0; i < layers; ++i)
-    each.push_back(Layer{weights.slice(i * per_layer, per_layer), bias.data() + i * kLinears,
-                         blocked.data() + i * kLinears, codes.slice(i * 3 * kLinears, 3 * kLinears),
-                         eps.slice(i * norms, norms), key_caches[i], value_caches[i], scales[i], windows[i],
-                         shrink.data() + i * kLinears, expand.data() + i * kLinears, qscales.data() + i * kLinears,
-                         qmins.data() + i * kLinears, quant_formats.slice(i * 2 * kLinears, 2 * kLinears)});
+    each.push_back(Layer{v.weights.slice(i * per_layer, per_layer), v.biases + i * kLinears,
+                         v.packed + i * kLinears, v.codes.slice(i * 3 * kLinears, 3 * kLinears),
+                         v.eps.slice(i * norms, norms), v.key_caches[i], v.value_caches[i], v.scales[i], v.windows[i],
+                         v.lora_a + i * kLinears, v.lora_bt + i * kLinears, v.quant_scales + i * kLinears,
+                         v.quant_mins + i * kLinears, v.quant_formats.slice(i * 2 * kLinears, 2 * kLinears)});
   at::Tensor x = decode_region(hidden, each, step);  // a decode step of few rows: one parallel region
   if (x.defined()) return x;
   x = hidden;
@@ -331,7 +341,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList weights,
   return x;
 }
 
-}  // namespace
+}  // namespace contbatch_layer
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def(

@@ -17,8 +17,10 @@ the attention backends.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -166,9 +168,12 @@ class Arguments:
 
     def __post_init__(self) -> None:
         self._weights = [ref for f in self.layers for ref in f._weights]
+        self._weight_dicts, self._weight_keys = [d for d, _ in self._weights], [k for _, k in self._weights]
         self._biases = [d for f in self.layers for d in f._biases]
-        self._formats = [entry for f in self.layers for entry in f._formats]
+        self._buffers = [d if fmt else {} for f in self.layers for d, fmt in f._formats]
         self._packed = any(f._packed for f in self.layers)
+        # (bits, group) per linear, 0, 0 for a float one: fixed with the modules' formats
+        self._bits_groups = [v for f in self.layers for _, fmt in f._formats for v in (fmt or (0, 0))]
         self._none = [None] * len(self._biases)
 
     def weights(self) -> list[torch.Tensor]:
@@ -177,12 +182,24 @@ class Arguments:
     def biases(self) -> list[torch.Tensor | None]:
         return [d.get("bias") for d in self._biases]
 
-    def quant(self) -> list[tuple | None] | None:
-        """Per linear, a packed one's (scales, mins, bits, group) (ops.decoder_stack's `quant`);
-        None when no linear is packed."""
+    def quant(self) -> tuple[list, list, list[int]] | None:
+        """ops.decoder_stack's `quant`: per linear, a packed one's scales, mins and (bits, group),
+        read from its buffers (a float linear's buffers hold none of them); None when no linear
+        is packed."""
         if not self._packed:
             return None
-        return [(d["scales"], d["mins"], *fmt) if fmt else None for d, fmt in self._formats]
+        buffers = self._buffers
+        return [d.get("scales") for d in buffers], [d.get("mins") for d in buffers], self._bits_groups
+
+    def holds(self, weights: list, biases: list, scales: list, mins: list) -> bool:
+        """Whether the modules' dicts still hold these very objects (`weights()`, `biases()` and,
+        where a linear is packed, `quant()`'s scales and mins, as made before): a check that
+        makes none of the lists."""
+        get = dict.get
+        return (all(map(operator.is_, map(dict.__getitem__, self._weight_dicts, self._weight_keys), weights))
+                and all(map(operator.is_, map(get, self._biases, repeat("bias")), biases))
+                and (not self._packed or (all(map(operator.is_, map(get, self._buffers, repeat("scales")), scales))
+                                          and all(map(operator.is_, map(get, self._buffers, repeat("mins")), mins)))))
 
     def packed(self, regime: int) -> list[torch.Tensor | None]:
         """oneDNN's prepacked copies per linear (none on one-row steps: FusedLayer.packed)."""
@@ -196,17 +213,25 @@ def one_call(args: Arguments, codes: list[int], eps: list[float], scales: list[f
     `scales` and `windows` are theirs, laid end to end."""
     regime, layers = step.kind[0], args.layers
     caches = [step.cache.kv(f.layer_idx) for f in layers]
-    lora_a = lora_bt = None
-    groups = (None, None, None, ())
-    if step.lora is not None:
-        factors = [f for layer in layers for f in layer.lora_factors(step.lora)]
-        lora_a = [None if f is None else f[0] for f in factors]
-        lora_bt = [None if f is None else f[1] for f in factors]
-        groups = (step.lora.rows, step.lora.drop, step.lora.inverse, step.lora.bounds or ())
     return ops.decoder_stack(
         hidden, args.weights(), args.biases(), args.packed(regime), codes, eps, cos, sin, [k for k, _ in caches],
         [v for _, v in caches], step.slots, step.decode, step.chunks, step.block_size, scales, windows,
-        layers[0].head_dim, lora_a, lora_bt, groups, args.quant())
+        layers[0].head_dim, *_lora(layers, step), args.quant())
+
+
+def _lora(layers: list[FusedLayer], step: StepInputs) -> tuple:
+    """(lora_a, lora_bt, groups) of decoder_stack for the step: None, None and no groups when
+    no row of the step has an adapter."""
+    if step.lora is None:
+        return None, None, (None, None, None, ())
+    factors = [f for layer in layers for f in layer.lora_factors(step.lora)]
+    return ([None if f is None else f[0] for f in factors], [None if f is None else f[1] for f in factors],
+            (step.lora.rows, step.lora.drop, step.lora.inverse, step.lora.bounds or ()))
+
+
+def _same(lists: tuple, others: tuple) -> bool:
+    """Whether each list holds the very objects (`is`) of its counterpart, in order."""
+    return all(len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(lists, others))
 
 
 @dataclass(eq=False)
@@ -220,6 +245,7 @@ class FusedStack:
     kinds: set[tuple] = field(default_factory=set)  # kinds of step proven a plain chain
     chain: tuple = (None, None, -1)  # (step, last output, position) of the step running one by one
     done: tuple = (None, None)  # (step, output) of the stack's call in the step running now
+    held: tuple = (None, None)  # (what `bound`'s lists were made from, the C++ object holding them)
 
     def __post_init__(self) -> None:
         self.codes = [c for f in self.layers for c in f.codes]
@@ -232,9 +258,28 @@ class FusedStack:
         return step.kind in self.kinds and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        out = one_call(self.arguments, self.codes, self.eps, self.scales, self.windows, hidden, cos, sin, step)
+        regime = step.kind[0]
+        out = ops.decoder_stack_bound(
+            hidden, self.bound(step.cache), self.arguments.packed(regime) if regime else [], cos, sin, step.slots,
+            step.decode, step.chunks, step.block_size, self.layers[0].head_dim, *_lora(self.layers, step))
         self.done = (step, out)
         return out
+
+    def bound(self, cache: Any) -> torch.ScriptObject:
+        """The stack's lists that a step does not change, held in C++ (`ops.stack_args`): made
+        again whenever a weight, bias, packed weight's scales or mins, or a cache tensor is not
+        the object they were made from, so a replaced tensor is never stale (`decoder_stack`
+        converting them at every call cost more than this check)."""
+        args = self.arguments
+        key, held = self.held
+        if key is None or not (args.holds(*key[:4]) and _same((cache.key_cache, cache.value_cache), key[4:])):
+            weights, biases, quant = args.weights(), args.biases(), args.quant()
+            caches = [cache.kv(f.layer_idx) for f in self.layers]
+            held = ops.stack_args(weights, biases, self.codes, self.eps, [k for k, _ in caches],
+                                  [v for _, v in caches], self.scales, self.windows, quant)
+            self.held = ((weights, biases, *(quant[:2] if quant else ((), ())), tuple(cache.key_cache),
+                          tuple(cache.value_cache)), held)
+        return held
 
     def pass_on(self, position: int) -> torch.Tensor:
         """A later layer's share of the stack's call in this step: the output, unchanged."""

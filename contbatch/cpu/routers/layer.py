@@ -307,6 +307,8 @@ class LayerRouter(Router):
     def uninstall(self) -> None:
         model_forward.uninstall(self.decoder)
         self.decoder = None
+        if self.shared.stack is not None:  # its C++ lists hold the manager's cache: let it go with it
+            self.shared.stack.held = (None, None)
         for m in self.modules:
             previous = m.__dict__.pop("_contbatch_fused").previous
             m.__dict__.pop("forward", None)
