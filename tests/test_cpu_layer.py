@@ -3,6 +3,7 @@ layers' own forward in every kind of step, checked at run time, refused where th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -217,8 +218,10 @@ def test_the_stack_reads_a_tensor_replaced_between_steps(method):
         for i in manager.add_requests(before):
             manager.get_result(i, timeout=120)
         stack = _router(manager).shared.stack
-        held = stack.held[1]
+        held = stack.held.args
         assert held is not None  # the stack ran
+        clone = copy.deepcopy(model)  # a frozen reference taken while attached: the C++ object is not copied
+        assert clone.model.layers[0]._contbatch_fused.shared.stack.held.args is None
         down = model.model.layers[1].mlp.down_proj
         with torch.no_grad():
             if method:
@@ -226,10 +229,10 @@ def test_the_stack_reads_a_tensor_replaced_between_steps(method):
             else:
                 down.weight = torch.nn.Parameter(down.weight * -1.5, requires_grad=False)
         got = [manager.get_result(i, timeout=120).generated_tokens for i in manager.add_requests(after)]
-        assert stack.held[1] is not held
+        assert stack.held.args is not held
     finally:
         manager.stop(timeout=30)
-    assert stack.held == (None, None)  # let go with the manager (its lists hold the cache)
+    assert stack.held.args is None  # let go with the manager (its lists hold the cache)
     new = [reference_generate(model, p, 6) for p in after]
     assert got == new and new != old
 

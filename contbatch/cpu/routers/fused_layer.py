@@ -234,6 +234,24 @@ def _same(lists: tuple, others: tuple) -> bool:
     return all(len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(lists, others))
 
 
+class Held:
+    """`FusedStack.bound`'s C++ object (`args`) and the tensors it was made from (`key`). A copy
+    of the model taken while a manager is attached (`copy.deepcopy`, e.g. a frozen reference
+    policy) or pickled gets an empty one: the C++ object is not copied, and is made again from
+    the copy's own tensors if the copy ever runs a stack."""
+
+    __slots__ = ("key", "args")
+
+    def __init__(self, key: tuple | None = None, args: Any = None) -> None:
+        self.key, self.args = key, args
+
+    def __deepcopy__(self, memo: dict) -> Held:
+        return Held()
+
+    def __reduce__(self) -> tuple:
+        return Held, ()
+
+
 @dataclass(eq=False)
 class FusedStack:
     """Every decoder layer of the model as one call, from the second step of each kind on: the
@@ -245,7 +263,7 @@ class FusedStack:
     kinds: set[tuple] = field(default_factory=set)  # kinds of step proven a plain chain
     chain: tuple = (None, None, -1)  # (step, last output, position) of the step running one by one
     done: tuple = (None, None)  # (step, output) of the stack's call in the step running now
-    held: tuple = (None, None)  # (what `bound`'s lists were made from, the C++ object holding them)
+    held: Held = field(default_factory=Held)  # `bound`'s C++ object and what it was made from
 
     def __post_init__(self) -> None:
         self.codes = [c for f in self.layers for c in f.codes]
@@ -270,16 +288,15 @@ class FusedStack:
         again whenever a weight, bias, packed weight's scales or mins, or a cache tensor is not
         the object they were made from, so a replaced tensor is never stale (`decoder_stack`
         converting them at every call cost more than this check)."""
-        args = self.arguments
-        key, held = self.held
+        args, key = self.arguments, self.held.key
         if key is None or not (args.holds(*key[:4]) and _same((cache.key_cache, cache.value_cache), key[4:])):
             weights, biases, quant = args.weights(), args.biases(), args.quant()
             caches = [cache.kv(f.layer_idx) for f in self.layers]
-            held = ops.stack_args(weights, biases, self.codes, self.eps, [k for k, _ in caches],
+            made = ops.stack_args(weights, biases, self.codes, self.eps, [k for k, _ in caches],
                                   [v for _, v in caches], self.scales, self.windows, quant)
-            self.held = ((weights, biases, *(quant[:2] if quant else ((), ())), tuple(cache.key_cache),
-                          tuple(cache.value_cache)), held)
-        return held
+            self.held = Held((weights, biases, *(quant[:2] if quant else ((), ())), tuple(cache.key_cache),
+                              tuple(cache.value_cache)), made)
+        return self.held.args
 
     def pass_on(self, position: int) -> torch.Tensor:
         """A later layer's share of the stack's call in this step: the output, unchanged."""

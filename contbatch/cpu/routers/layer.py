@@ -37,7 +37,7 @@ from ... import context
 from ..quant.linear import QuantLinear
 from . import model_forward
 from .base import Router
-from .fused_layer import FusedLayer, FusedStack, SharedState, step_inputs
+from .fused_layer import FusedLayer, FusedStack, Held, SharedState, step_inputs
 from .linear import LinearPlan, candidates as linear_candidates, routed_codes, shape_of
 from .norm import NormPlan, eps_of
 from .rotary import RotaryPlan
@@ -308,7 +308,7 @@ class LayerRouter(Router):
         model_forward.uninstall(self.decoder)
         self.decoder = None
         if self.shared.stack is not None:  # its C++ lists hold the manager's cache: let it go with it
-            self.shared.stack.held = (None, None)
+            self.shared.stack.held = Held()
         for m in self.modules:
             previous = m.__dict__.pop("_contbatch_fused").previous
             m.__dict__.pop("forward", None)
