@@ -171,11 +171,16 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     linear has its codes in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as
     QuantLinear does. None: no linear is packed."""
     none = [None] * len(biases)
-    scales_q, mins_q, formats = (none, none, [0] * (2 * len(biases))) if quant is None else quant
     return torch.ops.contbatch_cpu.decoder_stack(
         hidden, weights, biases, packed, codes, eps, cos, sin, keys, values, slots, *decode, *chunks, block_size,
         scales, windows, head_dim, none if lora_a is None else lora_a, none if lora_bt is None else lora_bt, *lora,
-        scales_q, mins_q, formats)
+        *_quant_lists(quant, len(biases)))
+
+
+def _quant_lists(quant: tuple[list, list, list[int]] | None, linears: int) -> tuple[list, list, list[int]]:
+    """`quant` as the ops take it: None (no linear packed) as None scales and mins and (0, 0)
+    formats for each of `linears`."""
+    return ([None] * linears, [None] * linears, [0] * (2 * linears)) if quant is None else quant
 
 
 def stack_args(weights: list[torch.Tensor], biases: list[torch.Tensor | None], codes: list[int], eps: list[float],
@@ -185,10 +190,8 @@ def stack_args(weights: list[torch.Tensor], biases: list[torch.Tensor | None], c
     (csrc/decoder_stack_bound_cpu.cpp), for `decoder_stack_bound`: made once, they are not
     converted from Python at every call. It holds the tensors themselves: a replaced tensor
     (a new object in a module's dict) needs a new one, which the caller makes."""
-    none = [None] * len(biases)
-    scales_q, mins_q, formats = (none, none, [0] * (2 * len(biases))) if quant is None else quant
     return torch.classes.contbatch_cpu.StackArgs(weights, biases, codes, eps, keys, values, scales, windows,
-                                                 scales_q, mins_q, formats)
+                                                 *_quant_lists(quant, len(biases)))
 
 
 def decoder_stack_bound(hidden: torch.Tensor, args: torch.ScriptObject, packed: list[torch.Tensor | None],

@@ -324,7 +324,8 @@ at::Tensor run_stack(const at::Tensor& hidden, const StackView& v, const Step& s
     }
     TORCH_CHECK(any == all && all == v.quant_scales[i].has_value(),
                 "decoder_stack: a packed linear takes the quantized kernel at every row count, with its scales");
-    TORCH_CHECK(v.lora_a[i].has_value() == v.lora_bt[i].has_value() && (!v.lora_a[i].has_value() || step.lora_rows.has_value()),
+    TORCH_CHECK(v.lora_a[i].has_value() == v.lora_bt[i].has_value() &&
+                    (!v.lora_a[i].has_value() || step.lora_rows.has_value()),
                 "decoder_stack: LoRA factors in pairs, with the step's LoRA rows");
   }
   std::vector<Layer> each;
