@@ -51,6 +51,7 @@ WHERE_SET = {
 }
 # Repairs, per architecture: defaults transformers cannot build (or not at these sizes).
 FIXES: dict[str, dict] = {
+    "blt": {"encoder_hash_byte_group_vocab": 1002},  # the default builds six 500k-row hash tables
     "codegen": {"rotary_dim": 8},  # partial rotary: the default 64 is wider than a 16-dim head
     "gptj": {"rotary_dim": 8},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},

@@ -253,6 +253,7 @@ def last(page: Page, chart: str, series: str) -> float:
     return float(value) if value else 0.0
 
 
+@pytest.mark.slow
 def test_dashboard_moves_under_load(live, browser):
     tab = Tab(browser, live.url)
     page = tab.page

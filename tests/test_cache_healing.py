@@ -5,7 +5,8 @@ The kernel library is built in child processes (a library that fails to load can
 process), with the compiler replaced by a copy of a small shared library whose constructor
 reads the end of a 1 MiB array: truncated, it dies with SIGBUS on loading as the real one
 does. The default model's copy is made from a tiny Llama in place of the GGUF's. A real
-killed build is the one slow case.
+killed build, and two of the three kinds of damaged library (the default run keeps the
+truncated one, the SIGBUS case), are the slow cases.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def test_a_build_killed_before_it_finished_does_not_block_the_next(kernels):
     assert kernels.builds() == 1
 
 
-@pytest.mark.parametrize("damage", ["truncated", "overwritten", "unrecorded"])
+@pytest.mark.parametrize("damage", ["truncated", pytest.param("overwritten", marks=pytest.mark.slow),
+                                    pytest.param("unrecorded", marks=pytest.mark.slow)])
 def test_a_damaged_library_is_built_again_not_loaded(kernels, damage):
     """A truncated library killed every start with SIGBUS and an empty log; one overwritten in
     place was loaded as it was. Each is found by its size and digest before it is opened,

@@ -351,6 +351,7 @@ def test_prefix_routing_beats_random_routing(cluster):
     assert routed > random_rate, (routed, random_rate)
 
 
+@pytest.mark.slow
 def test_replica_killed_midrun_is_replaced_and_its_requests_fail_clearly(cluster):
     """Requests in flight on a killed replica end with errors that say so (none hang); Serve
     starts a replacement, and the endpoint serves again."""

@@ -186,6 +186,7 @@ def test_slow_compiles_hold_up_neither_small_specs_nor_plain_requests(live):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_shutdown_does_not_wait_on_a_compile(tiny_dir):
     port = _free_port()
     proc = _spawn(["--model", str(tiny_dir), "--block-size", "16", "--num-blocks", "64", "--served-model-name", MODEL],

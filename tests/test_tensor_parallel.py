@@ -163,6 +163,7 @@ def test_tp2_hard_stop_fails_on_rank0_and_stops_the_worker(tiny_dir, tmp_path):
     assert worker == {"steps": res["steps_sent"]}  # stopped by rank 0, not killed
 
 
+@pytest.mark.slow
 def test_tp2_killed_worker_fails_every_request_clearly(tiny_dir, tmp_path):
     status, res, worker = run_ranks(tiny_dir, tmp_path, "kill", "--worker-pid-file", str(tmp_path / "pid"))
     assert worker is None  # it was killed
