@@ -2,12 +2,12 @@
 
 `FusedLayer` holds a layer's modules (their weights are read at every call, so replaced or
 updated parameters are never stale), its linears' routes as `routed_linear` codes and its
-constants; `one_call` lays one or more consecutive layers' arguments end to end for
-`ops.decoder_stack`. `FusedStack` runs every layer of the model as one call from a kind of
-step's second on: `decoder_stack` calls the same C++ layer function one call per layer does,
-layer after layer, so it is bit-identical by construction, and it is used only once a step of
-that kind ran the layers one by one, every layer's check passed, and showed the model's loop a
-plain chain (each layer called once, in order, on the previous layer's output).
+constants; `one_call` passes a layer's arguments to `ops.decoder_stack`. `FusedStack` runs
+every layer of the model as one call from a kind of step's second on, its step-independent
+lists held in C++ (`ops.decoder_stack_bound`): both ops call the same C++ layer function,
+layer after layer, so the stack is bit-identical by construction, and it is used only once a
+step of that kind ran the layers one by one, every layer's check passed, and showed the
+model's loop a plain chain (each layer called once, in order, on the previous layer's output).
 
 The step's attention inputs come from the torch backend's plan of the step (`meta.prepared`,
 attention/torch_backend.py's `TorchStep`), read by field name: this package does not import
@@ -209,8 +209,8 @@ class Arguments:
 def one_call(args: Arguments, codes: list[int], eps: list[float], scales: list[float],
              windows: list[int], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              step: StepInputs) -> torch.Tensor:
-    """`args.layers` (consecutive ones, one or all) as one `decoder_stack` call; `codes`, `eps`,
-    `scales` and `windows` are theirs, laid end to end."""
+    """`args.layers` (consecutive ones: `FusedLayer.run` passes its own) as one `decoder_stack`
+    call; `codes`, `eps`, `scales` and `windows` are theirs, laid end to end."""
     regime, layers = step.kind[0], args.layers
     caches = [step.cache.kv(f.layer_idx) for f in layers]
     return ops.decoder_stack(
