@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
 from contbatch.cpu import native
-from contbatch.cpu.routers import fused_layer
+from contbatch.cpu.routers import fused_layer, model_forward
 from contbatch.cpu.routers.layer import LayerRouter
 
 from conftest import make_tiny_model, random_prompts, reference_generate
@@ -180,9 +180,12 @@ def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     one (checked, and showing a plain chain), the steps of that kind run the whole stack as one
     call; tokens equal `model.generate`'s and the engine's own one-call-per-layer path. The
     model's forward (routers/model_forward.py) then skips its later layers instead of calling
-    each to be handed the stack's output."""
+    each to be handed the stack's output, and the causal LM's step forward hands the logits on
+    without the model's output classes."""
     model = make_tiny_model(arch)
-    stacked, passed_on = [], []
+    stacked, passed_on, step_logits = [], [], []
+    real_logits = model_forward.StepLogits
+    monkeypatch.setattr(model_forward, "StepLogits", lambda logits: step_logits.append(1) or real_logits(logits))
     real, real_pass_on = fused_layer.FusedStack.run, fused_layer.FusedStack.pass_on
     monkeypatch.setattr(fused_layer.FusedStack, "run",
                         lambda self, h, *a: stacked.append(h.shape[1]) or real(self, h, *a))
@@ -191,6 +194,7 @@ def test_the_stack_runs_from_each_kind_of_steps_second(arch, monkeypatch):
     _, results, _, enabled = _run(model, prompts, 8, block_size=4, max_batch_tokens=32)
     assert enabled and len(stacked) > 3 and max(stacked) > 1, stacked  # decode rows, and beside prompt chunks
     assert not passed_on  # no later layer was called in a step whose stack ran
+    assert len(step_logits) >= len(stacked)
     for prompt, got in zip(prompts, results):
         assert got == reference_generate(model, prompt, 8)
     count = len(stacked)

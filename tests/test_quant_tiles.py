@@ -48,6 +48,26 @@ def test_tile_round_trips_and_looks_up_rows_as_the_row_layout(name):
     assert tile(quantized(torch.randn(40, 256), name)).fmt.tiled is False  # not a multiple of 16
 
 
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+@pytest.mark.parametrize("name", FORMATS)
+def test_rows_read_in_place_equal_the_dequantized_rows(name):
+    """`quant_rows` (an embedding's lookup) reads rows of either layout in place: each equals
+    that row of the whole weight's dequantized values, bit for bit; an id outside the table is
+    refused by name."""
+    torch.manual_seed(1)
+    packed = quantized(torch.randn(48, 256), name)
+    ids = torch.tensor([0, 17, 47, 5, 17, 16, 31])
+    want = dequantize(packed)[ids]
+    layouts = [packed, tile(packed)] if ops.quant_tiles_available() else [packed]
+    for w in layouts:
+        got = ops.quant_rows(w.codes, w.scales, w.mins, ids, w.fmt.op_bits, w.fmt.group)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (name, w.fmt.tiled)
+        assert torch.equal(ops.quant_rows(w.codes, w.scales, w.mins, ids[:0], w.fmt.op_bits, w.fmt.group),
+                           want[:0])
+        with pytest.raises(RuntimeError, match="outside the 48 rows"):
+            ops.quant_rows(w.codes, w.scales, w.mins, torch.tensor([48]), w.fmt.op_bits, w.fmt.group)
+
+
 @needs_tiles
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 37, 65, 600])

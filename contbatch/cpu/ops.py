@@ -126,11 +126,22 @@ def quant_dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     return torch.ops.contbatch_cpu.quant_dequantize(codes, scales, mins, bits, group)
 
 
+def quant_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor, bits: int,
+               group: int) -> torch.Tensor:
+    """Rows `ids` (int64 [n]) of the packed weight's float32 values [n, in], read in place from
+    either layout: exactly those rows of `quant_dequantize`'s output (an embedding's lookup)."""
+    return torch.ops.contbatch_cpu.quant_rows(codes, scales, mins, ids, bits, group)
+
+
 def register_quant_fakes() -> None:
-    """The shape of `quant_linear` for Dynamo (compiled steps call it as an extern kernel)."""
+    """The shapes of `quant_linear` and `quant_rows` for Dynamo (compiled steps call them as extern
+    kernels)."""
     if not _quant_fakes_registered:
         fake = torch.library.register_fake("contbatch_cpu::quant_linear")
         fake(lambda x, codes, scales, mins, bias, bits, group: x.new_empty(*x.shape[:-1], codes.shape[0]))
+        fake = torch.library.register_fake("contbatch_cpu::quant_rows")
+        fake(lambda codes, scales, mins, ids, bits, group: scales.new_empty(
+            ids.shape[0], codes.shape[1] * (2 if mins is not None else 1), dtype=torch.float32))
         _quant_fakes_registered.append(True)
 
 # -- norms, rotary embeddings, decoder layers ------------------------------------------------

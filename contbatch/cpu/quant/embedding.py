@@ -1,7 +1,8 @@
 """`QuantEmbedding`: a token embedding whose table is held packed (`format.py`).
 
-A lookup rebuilds only the rows it gathers, as their dequantized values exactly (the same
-`quant_dequantize` the packed linears are checked against), so a model served from a GGUF file
+A lookup rebuilds only the rows it gathers, read in place from the table (`quant_rows`), as
+their dequantized values exactly (those rows of the `quant_dequantize` the packed linears are
+checked against), so a model served from a GGUF file
 whose embedding is Q8_0/Q4_0/Q4_1 looks up the values transformers dequantized, bit for bit,
 without a float copy of the table beside the packed one. A tied output layer (lm_head sharing
 the embedding) and the embedding share one packed table: the same codes, scales and mins
@@ -44,12 +45,12 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        table = PackedWeight(self.fmt, self.codes, self.scales, self.mins, self.num_embeddings, self.embedding_dim)
-        picked = table.rows(ids)  # in the row layout, whether the table is tiled or not
-        if self.native and picked.codes.device.type == "cpu":
-            rows = ops.quant_dequantize(picked.codes, picked.scales, picked.mins, picked.fmt.bits, picked.fmt.group)
+        if self.native and self.codes.device.type == "cpu":  # read in place, whether the table is tiled or not
+            rows = ops.quant_rows(self.codes, self.scales, self.mins, ids, self.fmt.op_bits, self.fmt.group)
         else:
-            rows = dequantize(picked)
+            table = PackedWeight(self.fmt, self.codes, self.scales, self.mins, self.num_embeddings,
+                                 self.embedding_dim)
+            rows = dequantize(table.rows(ids))  # in the row layout, whether the table is tiled or not
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

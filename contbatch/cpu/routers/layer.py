@@ -281,7 +281,7 @@ class LayerRouter(Router):
         self.plan = plan
         self.linear = linear
         self.modules: list[torch.nn.Module] = []
-        self.decoder: torch.nn.Module | None = None  # the decoder model given the stack's forward
+        self.forwards: list[torch.nn.Module] = []  # the decoder and causal LM given a step forward
         self.shared = self._new_shared()
 
     def _new_shared(self) -> SharedState:
@@ -302,11 +302,11 @@ class LayerRouter(Router):
             for position, m in enumerate(self.modules):
                 m._contbatch_fused.position = position
             self.shared.stack = FusedStack([m._contbatch_fused for m in self.modules], list(self.modules))
-            self.decoder = model_forward.install(self.model, self.shared, self.modules[0])
+            self.forwards = model_forward.install(self.model, self.shared, self.modules[0])
 
     def uninstall(self) -> None:
-        model_forward.uninstall(self.decoder)
-        self.decoder = None
+        model_forward.uninstall(self.forwards)
+        self.forwards = []
         if self.shared.stack is not None:  # its C++ lists hold the manager's cache: let it go with it
             self.shared.stack.held = Held()
         for m in self.modules:
