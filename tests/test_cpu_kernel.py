@@ -196,3 +196,35 @@ def test_cpu_cache_memory_is_zeroed_and_outlives_its_mapping(dtype):
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
         t.fill_(2.0)
         assert int(t.sum(dtype=torch.float64)) == 2 * t.numel()
+
+
+def test_a_decode_steps_plan_is_the_general_paths(monkeypatch):
+    """A step whose every request computes one token takes the backend's short path
+    (`_one_token_rows`): its plan equals what the general path makes of the same host tensors;
+    steps with a longer or an empty row are left to the general path."""
+    from contbatch.attention import torch_backend as tb
+    from contbatch.cache.paged_cache import KVLayout, PagedAttentionCache
+
+    cache = PagedAttentionCache(KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32),
+                                num_blocks=12, block_size=4)
+    backend = tb.TorchBackend(decode_kernel=True, prefill_kernel=True)
+
+    def host(q_lens: list[int], kv_lens: list[int]) -> dict[str, torch.Tensor]:
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=cu[1:])
+        return {"cu_seqlens_q": cu, "kv_lens": torch.tensor(kv_lens, dtype=torch.int32),
+                "block_table": torch.arange(len(q_lens) * 3, dtype=torch.int32).view(len(q_lens), 3)}
+
+    decode = host([1, 1, 1], [5, 9, 2])
+    short, one_token_rows = backend.prepare(decode, cache), tb._one_token_rows
+    monkeypatch.setattr(tb, "_one_token_rows", lambda h, c: None)
+    general = backend.prepare(decode, cache)
+    assert short.decode_rows is not None and (short.num_tokens, short.decode_groups, short.prefill_rows,
+                                              short.prefill_chunks) == (3, [], [], None)
+    assert (general.num_tokens, general.decode_groups, general.prefill_rows, general.prefill_chunks) == (3, [], [], None)
+    for a, b in ((short.decode_rows.block_table, general.decode_rows.block_table),
+                 (short.decode_rows.kv_lens, general.decode_rows.kv_lens)):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
+    assert short.decode_rows.num_rows == general.decode_rows.num_rows == 3
+    for q_lens in ([1, 3, 1], [1, 0, 2], [2]):
+        assert one_token_rows(host(q_lens, [4] * len(q_lens)), cache) is None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -137,6 +138,19 @@ def _leading_short_rows(q_lens: torch.Tensor) -> int:
     return int(short.long().cumprod(0).sum()) if short.numel() else 0
 
 
+def _one_token_rows(host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> TorchStep | None:
+    """The kernel's plan of a step whose every request computes one token (a decode step, the
+    common one): each row its request, all its keys; what `prepare`'s general path makes of
+    such a step, in a few operations. None for any other step."""
+    cu_q = host["cu_seqlens_q"].numpy()
+    n = cu_q.shape[0] - 1
+    if n == 0 or cu_q[0] != 0 or cu_q[n] != n or not (np.diff(cu_q) == 1).all():
+        return None
+    rows = DecodeRows(n, host["block_table"][:n].to(cache.device, torch.int32),
+                      host["kv_lens"][:n].to(cache.device, torch.int32).contiguous())
+    return TorchStep([], [], n, rows)
+
+
 def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
     """Equal-count groups over the length-sorted decode rows: few enough that per-group
     overhead stays small, enough that padding to each group's maximum stays modest."""
@@ -167,6 +181,10 @@ class TorchBackend:
 
     def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> TorchStep:
         """Decode groups and prefill rows from the step's host tensors (an unpadded step)."""
+        if self.fast_decode:
+            step = _one_token_rows(host, cache)
+            if step is not None:
+                return step
         bs, device = cache.block_size, cache.device
         cu_q = host["cu_seqlens_q"].long()
         q_lens = cu_q[1:] - cu_q[:-1]
