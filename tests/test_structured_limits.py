@@ -103,7 +103,12 @@ def test_a_compile_nobody_waits_for_is_stopped(compiler):
     future = compiler.compile(spec)
     twin = compiler.compile(spec)  # a second caller of the same spec shares it
     assert twin is future
-    time.sleep(4.0)  # the worker process starts, the compile begins
+    # The compile begins once the worker process has started (it imports the package: seconds,
+    # more on a slow machine) and taken the job.
+    deadline = time.monotonic() + 60
+    while not compiler._trials[spec.key].running():
+        assert time.monotonic() < deadline, "the compile never began in a worker process"
+        time.sleep(0.05)
     compiler.abandon(spec)
     time.sleep(0.5)
     assert not future.done(), "one caller still waits: the compile goes on"
