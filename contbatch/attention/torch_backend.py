@@ -146,9 +146,13 @@ def _one_token_rows(host: dict[str, torch.Tensor], cache: PagedAttentionCache) -
     n = cu_q.shape[0] - 1
     if n == 0 or cu_q[0] != 0 or cu_q[n] != n or not (np.diff(cu_q) == 1).all():
         return None
-    rows = DecodeRows(n, host["block_table"][:n].to(cache.device, torch.int32),
-                      host["kv_lens"][:n].to(cache.device, torch.int32).contiguous())
-    return TorchStep([], [], n, rows)
+    return TorchStep([], [], n, _leading_decode_rows(host, n, cache.device))
+
+
+def _leading_decode_rows(host: dict[str, torch.Tensor], n: int, device: torch.device) -> DecodeRows:
+    """The first `n` requests as decode rows, each computing one token over all its keys."""
+    return DecodeRows(n, host["block_table"][:n].to(device, torch.int32),
+                      host["kv_lens"][:n].to(device, torch.int32).contiguous())
 
 
 def _split_decode_rows(num_decode: int) -> list[tuple[int, int]]:
@@ -198,8 +202,7 @@ class TorchBackend:
         decode_rows = None
         if self.fast_decode and num_decode and int(cu_q[num_decode] - cu_q[0]) == num_decode:
             # one query token a row (a decode step's rows): each row is its request, all its keys
-            decode_rows = DecodeRows(num_decode, host["block_table"][:num_decode].to(device, torch.int32),
-                                     host["kv_lens"][:num_decode].to(device, torch.int32).contiguous())
+            decode_rows = _leading_decode_rows(host, num_decode, device)
         elif self.fast_decode and num_decode:
             lens = q_lens[:num_decode]
             rows = torch.repeat_interleave(torch.arange(num_decode), lens)

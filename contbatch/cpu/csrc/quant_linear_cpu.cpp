@@ -115,49 +115,32 @@ at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, c
   return w;
 }
 
-// Output features `ids` of a packed weight (an embedding's lookup) as float32 rows [n, I], read
-// from either layout in place: each value code x scale (+ min), the defined values (file
-// comment), so a row equals that row of quant_dequantize's output.
+// Output features `ids` of a packed weight (an embedding's lookup) as float32 rows [n, I], each
+// by dequantize_rows (so equal to that row of quant_dequantize's output): a row of the row
+// layout alone, a tiled weight's whole tile (the unit its layout is read in) and its row kept.
 at::Tensor quant_rows(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                       const at::Tensor& ids, int64_t bits, int64_t group) {
   const Packed p = check(codes, scales, mins, bits, group, "quant_rows");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.device().is_cpu(),
               "quant_rows: ids must be a 1-d int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes());
   const at::Tensor idx = ids.contiguous();
-  const int64_t n = idx.size(0), in = p.in, groups = p.groups(), row_bytes = p.row_bytes();
+  const int64_t n = idx.size(0), in = p.in;
   const int64_t* id = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < p.out, "quant_rows: id ", id[i], " is outside the ", p.out, " rows");
   at::Tensor out = at::empty({n, in}, scales.options().dtype(at::kFloat));
-  float* y0 = out.data_ptr<float>();
-  constexpr int64_t kTileRows = 16;  // quant_tiles.h's kTile (a tiled weight's 16-output tiles)
+  float* y = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(p.tiled ? kTile * in : 0);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t o = id[i], t = o / kTileRows, j = o % kTileRows;
-      float* y = y0 + i * in;
-      // The row's byte r and group g's fields: a tiled row's byte 4v + k lies in its tile's
-      // vector v at lane j (format.py's `rows`); a row layout's in a row.
-      const auto byte = [&](int64_t r) -> uint8_t {
-        return p.tiled ? p.codes[t * kTileRows * row_bytes + (r / 4) * kTileRows * 4 + j * 4 + r % 4]
-                       : p.codes[o * row_bytes + r];
-      };
-      const auto field = [&](const at::Half* f, int64_t g) -> float {
-        return static_cast<float>(p.tiled ? f[(t * groups + g) * kTileRows + j] : f[o * groups + g]);
-      };
-      for (int64_t g = 0; g < groups; ++g) {
-        const float scale = field(p.scales, g), min = p.bits == 4 ? field(p.mins, g) : 0.0f;
-        for (int64_t x = g * p.group; x < (g + 1) * p.group; ++x) {
-          if (p.bits == 8) {
-            y[x] = static_cast<float>(static_cast<int8_t>(byte(x))) * scale;
-            continue;
-          }
-          // int4: the row layout's block byte x % 16 (low nibble for x % 32 < 16); the tiled
-          // layout's byte 4 (x / 8) + x % 4 (low nibble for x % 8 < 4)
-          const bool low = p.tiled ? x % 8 < 4 : x % 32 < 16;
-          const uint8_t b = p.tiled ? byte(4 * (x / 8) + x % 4) : byte((x / 32) * 16 + x % 16);
-          y[x] = static_cast<float>(low ? b & 15 : b >> 4) * scale + min;
-        }
+      const int64_t o = id[i];
+      if (!p.tiled) {
+        dequantize_rows(p, o, o + 1, y + i * in);
+        continue;
       }
+      const int64_t first = o - o % kTile;
+      dequantize_rows(p, first, first + kTile, tile.data());
+      std::copy_n(tile.data() + (o - first) * in, in, y + i * in);
     }
   });
   return out;
