@@ -128,8 +128,9 @@ def quant_dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 def quant_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor, bits: int,
                group: int) -> torch.Tensor:
-    """Rows `ids` (int64 [n]) of the packed weight's float32 values [n, in], read in place from
-    either layout: exactly those rows of `quant_dequantize`'s output (an embedding's lookup)."""
+    """Rows `ids` (int64 [n]) of the packed weight's float32 values [n, in], dequantized in place
+    in either layout (a tiled weight a tile of 16 rows at a time): exactly those rows of
+    `quant_dequantize`'s output (an embedding's lookup)."""
     return torch.ops.contbatch_cpu.quant_rows(codes, scales, mins, ids, bits, group)
 
 

@@ -1,12 +1,11 @@
 """`QuantEmbedding`: a token embedding whose table is held packed (`format.py`).
 
-A lookup rebuilds only the rows it gathers, read in place from the table (`quant_rows`), as
-their dequantized values exactly (those rows of the `quant_dequantize` the packed linears are
-checked against), so a model served from a GGUF file
-whose embedding is Q8_0/Q4_0/Q4_1 looks up the values transformers dequantized, bit for bit,
-without a float copy of the table beside the packed one. A tied output layer (lm_head sharing
-the embedding) and the embedding share one packed table: the same codes, scales and mins
-tensors, resident once.
+A lookup rebuilds only the rows it gathers (of a tiled table, their tiles), in place
+(`quant_rows`), as their dequantized values exactly (those rows of the `quant_dequantize` the
+packed linears are checked against), so a model served from a GGUF file whose embedding is
+Q8_0/Q4_0/Q4_1 looks up the values transformers dequantized, bit for bit, without a float copy
+of the table beside the packed one. A tied output layer (lm_head sharing the embedding) and the
+embedding share one packed table: the same codes, scales and mins tensors, resident once.
 
 It replaces a plain `nn.Embedding` only (setup/gguf_quant.py, setup/quantize.py): a subclass
 that scales or offsets its lookups (Gemma's) keeps its float table. It has no `weight`
