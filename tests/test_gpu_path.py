@@ -20,6 +20,7 @@ from contbatch import ContinuousBatchingConfig, ContinuousBatchingManager, Reque
 from contbatch.attention import select as backend_mod
 from contbatch.attention.select import choose_backend
 from contbatch.runtime.buckets import Bucketing, StepShape, decode_bucket, pad_batch
+from contbatch.runtime import step_batch as step_batch_mod
 from contbatch.runtime.step_batch import apply_carry, build_step_batch
 from contbatch.runtime.step_runner import Streams
 from contbatch.runtime.graphs import GraphCache, eager_capture
@@ -207,6 +208,45 @@ def test_carry_over_fills_placeholders_from_the_step_in_flight():
     assert ids.tolist() == [42, 1, 2, 3]
     with pytest.raises(RuntimeError, match="placeholder"):
         build_step_batch(plan, _Tables(4, a=[0], b=[1]), prev_rows={})
+
+
+_BATCH_FIELDS = ("input_ids", "carry", "positions", "write_slots", "cu_seqlens_q", "kv_lens", "block_table",
+                 "logits_indices")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_one_token_plans_batch_is_the_general_paths(data):
+    """A plan whose every chunk computes one token (decode rows, a prompt's one-token chunk
+    mid-way or at its end, placeholders of a step in flight, LoRA rows) is built by its own
+    short path: the batch equals the general path's, field by field and in request order."""
+    bs = data.draw(st.sampled_from([1, 4, 16]))
+    n = data.draw(st.integers(1, 9))
+    chunks, tables, prev_rows = [], {}, {}
+    for i in range(n):
+        length = data.draw(st.integers(1, 40))
+        computed = data.draw(st.integers(0, length - 1))
+        state = RequestState(f"r{i}", data.draw(st.lists(st.integers(0, 999), min_size=length, max_size=length)),
+                             max_new_tokens=8)
+        state.num_computed_tokens = computed
+        if computed == length - 1 and data.draw(st.booleans()):  # its last token is still being sampled
+            state.all_token_ids[-1] = PLACEHOLDER
+            prev_rows[state.request_id] = data.draw(st.integers(0, 8))
+        state.lora_slot = data.draw(st.sampled_from([-1, -1, 0, 2]))
+        tables[state.request_id] = data.draw(st.lists(st.integers(0, 99), min_size=computed // bs + 1,
+                                                      max_size=computed // bs + 3))
+        chunks.append(ScheduledChunk(state, 1))
+    plan, manager = StepPlan(chunks=chunks), _Tables(bs, **tables)
+    fast, general = build_step_batch(plan, manager, prev_rows), step_batch_mod._any_batch(plan, manager, prev_rows)
+    for name in _BATCH_FIELDS:
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert [c.state for c in fast.chunks] == [c.state for c in general.chunks]
+    assert fast.sampled == general.sampled and fast.drafts is None and general.drafts is None
+    assert (fast.lora_slots is None) == (general.lora_slots is None)
+    if fast.lora_slots is not None:
+        assert fast.lora_slots.tolist() == general.lora_slots.tolist()
+    assert fast.decode_only
 
 
 def test_placeholders_stay_internal():
