@@ -76,9 +76,14 @@ class StepTokens:
     samples: np.ndarray  # [B] bool: the chunk reaches the end of the sequence, so it samples
 
     def write_slots(self, table: np.ndarray, block_size: int) -> torch.Tensor:
-        """Cache slot of each token's new K/V, in NumPy like the rest of the step's index math."""
-        rows, pos = self.rows.numpy(), self.positions.numpy()
-        return torch.from_numpy(table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        return write_slots(table, self.rows.numpy(), self.positions.numpy(), block_size)
+
+
+def write_slots(table: np.ndarray, requests: np.ndarray, positions: np.ndarray, block_size: int) -> torch.Tensor:
+    """Cache slot of each token's new K/V (`requests`: each token's row of `table`), in NumPy
+    like the rest of the step's index math."""
+    return torch.from_numpy(table[requests, positions // block_size].astype(np.int64) * block_size
+                            + positions % block_size)
 
 
 def step_tokens(chunks: list[ScheduledChunk]) -> StepTokens:
@@ -159,7 +164,6 @@ def _one_token_batch(plan: StepPlan, block_manager: BlockManager, prev_rows: dic
     lengths = np.fromiter((len(s.all_token_ids) for s in states), np.int64, n)
     adapter_slots = np.fromiter((s.lora_slot for s in states), np.int64, n)
     table = table_array([block_manager.table(s.request_id) for s in states])
-    block_size = block_manager.block_size
     requests = np.arange(n)
     carry = _carry(ids, requests, chunks, prev_rows)
     sampled_rows = np.flatnonzero(starts + 1 == lengths)  # the token is the sequence's last: it samples
@@ -167,8 +171,7 @@ def _one_token_batch(plan: StepPlan, block_manager: BlockManager, prev_rows: dic
         input_ids=torch.from_numpy(ids),
         carry=torch.from_numpy(carry),
         positions=torch.from_numpy(starts),
-        write_slots=torch.from_numpy(table[requests, starts // block_size].astype(np.int64) * block_size
-                                     + starts % block_size),
+        write_slots=write_slots(table, requests, starts, block_manager.block_size),
         cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
         kv_lens=torch.from_numpy((starts + 1).astype(np.int32)),
         block_table=torch.from_numpy(table),
