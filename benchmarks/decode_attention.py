@@ -53,8 +53,8 @@ for rows, ctx, dtype in json.loads(sys.argv[1]):
 print("RESULT " + json.dumps(out))
 '''
 
-CASES = [(1, 300, "float32"), (48, 140, "float32"), (48, 1000, "float32"), (8, 2000, "float32"),
-         (48, 140, "bfloat16"), (48, 1000, "bfloat16")]
+CASES = [(1, 300, "float32"), (1, 2000, "float32"), (48, 140, "float32"), (48, 1000, "float32"),
+         (8, 2000, "float32"), (48, 140, "bfloat16"), (48, 1000, "bfloat16")]
 
 
 def main() -> None:

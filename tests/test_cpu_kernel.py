@@ -46,6 +46,37 @@ def test_kernel_matches_reference(dtype, tol, window, cap, with_sinks, token_maj
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (100, None, False), (None, 5.0, True),
+                                                    (130, None, True)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3), (128, 4, 1)], ids=["generic", "d64-gqa3", "d128"])
+def test_kernel_splits_long_heads_into_key_chunks(dtype, tol, window, cap, with_sinks, dim, heads, kv_heads):
+    """Heads with more keys than a chunk (csrc/layer_parts.h's kKeyChunk, 64) are attended in
+    chunks by several threads and merged: key counts on both sides of one, two and several
+    chunks, with windows cutting them, sinks entering once, beside one-chunk rows; the values
+    equal dense attention's and do not depend on the thread count."""
+    gen = torch.Generator().manual_seed(3)
+    rows, bs, blocks, width = 9, 16, 60, 24
+    k, v = (torch.randn(kv_heads, blocks * bs, dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(rows)]).int()
+    lens = torch.tensor([64, 65, 128, 129, 1, 200, 63, 384, 250], dtype=torch.int32)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_ops.paged_decode(q, k, v, table, lens, sinks, bs, 0.3, window, cap))
+    finally:
+        torch.set_num_threads(threads)
+    ref = torch.cat([dense_attention(q[b : b + 1], k, v, table[b], int(n), bs, 0.3, window, cap, sinks)
+                     for b, n in enumerate(lens)])
+    torch.testing.assert_close(outs[0].float(), ref.float(), atol=tol, rtol=tol)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (7, None, False), (70, 5.0, True)])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3), (128, 8, 2), (80, 4, 4), (40, 2, 1)],
                          ids=["generic", "d64-gqa3", "d128-gqa4", "d80-mha", "d40-partial-columns"])

@@ -101,14 +101,16 @@ def test_decode_steps_in_one_parallel_region_equal_generate(arch):
     parallel region (decode_region_cpu.cpp: the linears' bands and the attention's tasks shared
     out, the small ops between them on the calling thread). A lone request (one row) and four
     decoding together (a few rows) pass the bit-for-bit check against the layers' own forward,
-    and the tokens equal `model.generate`'s."""
+    and the tokens equal `model.generate`'s. The lone request's keys span three chunks of the
+    attention's split (paged_decode_cpu.cpp), attended by both threads after the rotations'
+    barrier; the four requests' lie on both sides of one chunk."""
     model = make_tiny_model(arch)
     small = {"linear": "small_linear"}
-    lone = random_prompts(1, 20, 20, seed=8)
+    lone = random_prompts(1, 150, 150, seed=8)
     _, results, checked, enabled = _run(model, lone, 12, block_size=4, cpu_kernel_overrides=small)
     assert enabled and (0, True, False, False) in checked, checked
     assert results == [reference_generate(model, lone[0], 12)]
-    prompts = random_prompts(4, 5, 12, seed=9)
+    prompts = random_prompts(4, 5, 90, seed=9)
     _, results, checked, enabled = _run(model, prompts, 10, block_size=4, cpu_kernel_overrides=small)
     assert enabled and (1, True, False, False) in checked, checked
     for prompt, got in zip(prompts, results):

@@ -63,7 +63,11 @@ class Step:
 def sh(step: str, argv: list[str], cwd: Path | None = None) -> str:
     """Run a command of a step; a failure raises SetupError with the command and its output's tail."""
     print(f"[{step}] $ {' '.join(argv)}", flush=True)
-    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as exc:  # e.g. the peers' venv, when --only skipped the step making it
+        raise SetupError(f"step '{step}' needs {exc.filename}, which an earlier step makes "
+                         "(run the set-up without --only, or name that step too)") from exc
     if done.returncode:
         tail = (done.stdout + done.stderr)[-3000:]
         raise SetupError(f"step '{step}' failed: `{' '.join(argv[:4])} ...` exited {done.returncode}:\n{tail}")

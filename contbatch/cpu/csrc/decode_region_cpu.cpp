@@ -9,7 +9,8 @@
 // thread that attends with them). The small steps that need a whole row (the norms, the
 // residual sums, SiLU x up) every thread computes for itself, by the ops' own row functions or
 // the same aten ops, into buffers made once a call: no thread waits on another's serial work.
-// Five barriers a layer separate the parts. Every value is computed by the same function on the
+// Five barriers a layer separate the parts (six where a head's keys are attended by several
+// threads, paged_decode_cpu.cpp's DecodeSplit). Every value is computed by the same function on the
 // same inputs as layer after layer, so the output is bit-identical (the engine checks it at run
 // time, as it checks the stack).
 //
@@ -167,6 +168,14 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
   for (int64_t t = 0; t < threads; ++t) products.push_back(at::empty({tokens, inter}, f32));
   std::vector<Linears> linears(threads);
   const at::Tensor no_sinks = at::empty({0}, f32);
+  contbatch_parts::DecodeSplit split;  // sized for no window: every layer's split fits in it
+  split.reserve(kv_lens, kv_heads, group, head_dim, 0);
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  const auto split_needed = [&](int64_t window) {  // the same answer on every thread
+    for (int64_t r = 0; r < tokens; ++r)
+      if ((window > 0 ? std::min<int64_t>(lens[r], window) : lens[r]) > contbatch_parts::kKeyChunk) return true;
+    return false;
+  };
   // A failing part's number and error (the earliest part's, if several fail): every thread
   // leaves after that part's barrier, reading a number set before it (a thread already in
   // the next part may fail too; its number is larger), and the error is raised after the region.
@@ -219,8 +228,14 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
           std::memcpy(vp + h * vc.stride(0) + slot[r] * vc.stride(1), v + (r * kv_heads + h) * head_dim,
                       head_dim * sizeof(float));
         }
+        // A head with more than one chunk of keys is attended by several threads' units, which
+        // read queries and a key another thread rotated: they wait for every rotation. (One
+        // chunk a head: the units are these tasks, on this thread.)
+        if (split_needed(layer.window)) {
+#pragma omp barrier
+        }
         contbatch_parts::paged_decode_share(query, kc, vc, table, kv_lens, no_sinks, attn, step.block_size,
-                                            layer.scale, layer.window, t, team);
+                                            layer.scale, layer.window, split, t, team);
       };
       const auto o = [&] {
         lin.prepare(attn.data_ptr<float>(), tokens, heads * head_dim, layer, {3}, ys);

@@ -12,8 +12,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace contbatch_parts {
 
@@ -45,11 +48,33 @@ void quant_linears_share(const float* x, int64_t rows, const QuantRef* linears, 
 void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRef* linears, int64_t n, int64_t t,
                          int64_t threads);
 
-// paged_decode's tasks (one per row and KV head) of thread t, no sinks (`no_sinks` an empty
-// float32 tensor) and no softcap; `out` as paged_decode returns it.
+// Keys a unit of decode attention reads: a row's KV head with more keys is cut into chunks
+// of this many, each a unit of work, so that a lone request's few KV heads are shared out over
+// every thread (three heads on two threads left one thread idle a third of the time). The
+// chunks' softmax sums are merged in chunk order: the values do not depend on the threads.
+constexpr int64_t kKeyChunk = 64;
+
+// What the units of one paged_decode call share: each multi-chunk unit's partial results
+// (its [group] score maxima, [group] exponential sums, [group, dim] value sums) and, per row
+// and KV head, how many of its units have finished.
+struct DecodeSplit {
+  int64_t units = 0;
+  std::unique_ptr<float[]> partial;  // left uninitialized: every unit writes its own before it is read
+  std::unique_ptr<std::atomic<int32_t>[]> done;
+
+  static int64_t unit_floats(int64_t group, int64_t dim) { return group * (2 + dim); }
+  // Sized for a call with these key counts and window (a smaller window needs no more);
+  // returns the call's units.
+  int64_t reserve(const at::Tensor& kv_lens, int64_t kv_heads, int64_t group, int64_t dim, int64_t window);
+};
+
+// paged_decode's units (DecodeSplit) of thread t, no sinks (`no_sinks` an empty float32
+// tensor) and no softcap; `out` as paged_decode returns it. `split` is shared by the threads
+// (reserved for these kv_lens without a window, or this one) and reusable after a barrier.
 void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
-                        at::Tensor& out, int64_t block_size, double scale, int64_t window, int64_t t, int64_t threads);
+                        at::Tensor& out, int64_t block_size, double scale, int64_t window, DecodeSplit& split,
+                        int64_t t, int64_t threads);
 
 // rms_norm on float32 rows [rows, hidden] into y (the op's one function per row).
 void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden, double eps);
