@@ -44,6 +44,8 @@ constexpr int kLanes = sizeof(TileVec) / sizeof(float);
 
 // Keys (or values) a request reads are short runs of rows scattered over the cache, too short
 // for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
+// The score pass asks for the value rows too (`vh`), so the value pass after the softmax finds
+// its rows in cache and both streams are in flight at once.
 constexpr int64_t kAhead = 8;
 template <int C, typename T>  // a row of C vectors
 inline void prefetch_row(const T* row) {
@@ -92,7 +94,8 @@ constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
 // products with a head summed into one vector, the sixteen vectors reduced together (sum16):
 // a few instructions a key instead of one horizontal sum per key and head.
 template <int C, int GB, typename T>
-void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m512* part) {
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m512* part,
+                const T* vh, int64_t v_slot) {
   __m512 qv[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
@@ -103,7 +106,10 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
         for (int g = 0; g < GB; ++g) part[g * 16 + jj] = _mm512_setzero_ps();
         continue;
       }
-      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+      if (j0 + jj + kAhead < n) {
+        prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+        if (vh) prefetch_row<C>(vh + slots[j0 + jj + kAhead] * v_slot);  // the value pass's rows
+      }
       const T* kr = kh + slots[j0 + jj] * k_slot;
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
@@ -141,14 +147,14 @@ void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, co
 // Both passes for one request and KV head over `group` query heads, tile by tile.
 template <int C, typename T>
 void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
-           float* sc, __m512* part) {
+           float* sc, __m512* part, const T* vh, int64_t v_slot) {
   constexpr int GB = kGroupTile<C>;
   for (int64_t g0 = 0; g0 < group; g0 += GB) {
     const int64_t gb = std::min<int64_t>(GB, group - g0);
     float* rowbuf = qf_or_acc + g0 * C * 16;
     float* sg = sc + g0 * n;
 #define CONTBATCH_TILE(B)                                                             \
-  if (scores) score_tile<C, B>(kvh, stride, slots, n, rowbuf, sg, part);              \
+  if (scores) score_tile<C, B>(kvh, stride, slots, n, rowbuf, sg, part, g0 ? nullptr : vh, v_slot); \
   else value_tile<C, B>(kvh, stride, slots, n, sg, rowbuf);
     switch (gb) {
       case 1: { CONTBATCH_TILE(1) break; }
@@ -177,7 +183,8 @@ inline __m256 sum8(const __m256* v) {
 // sc[g * n + j] = q_g . k_j for GB heads, eight keys at a time: each key's products with a
 // head summed into one vector, the eight vectors reduced together (sum8).
 template <int C, int GB, typename T>
-void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m256* part) {
+void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m256* part,
+                const T* vh, int64_t v_slot) {
   constexpr int W = C < kChunk ? C : kChunk;
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - j0);
@@ -186,7 +193,10 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
         for (int g = 0; g < GB; ++g) part[g * 8 + jj] = _mm256_setzero_ps();
         continue;
       }
-      if (j0 + jj + kAhead < n) prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+      if (j0 + jj + kAhead < n) {
+        prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
+        if (vh) prefetch_row<C>(vh + slots[j0 + jj + kAhead] * v_slot);  // the value pass's rows
+      }
       const T* kr = kh + slots[j0 + jj] * k_slot;
       __m256 a[GB];
       for (int g = 0; g < GB; ++g) a[g] = _mm256_setzero_ps();
@@ -236,7 +246,7 @@ void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, in
 
 template <int C, typename T>
 void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, float* qf_or_acc,
-           float* sc, __m256* part) {
+           float* sc, __m256* part, const T* vh, int64_t v_slot) {
   if (!scores) {
     value_tile<C>(kvh, stride, slots, n, group, sc, qf_or_acc);
     return;
@@ -245,10 +255,10 @@ void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int6
     const float* q = qf_or_acc + g0 * C * 8;
     float* sg = sc + g0 * n;
     switch (std::min<int64_t>(kHeads, group - g0)) {
-      case 1: score_tile<C, 1>(kvh, stride, slots, n, q, sg, part); break;
-      case 2: score_tile<C, 2>(kvh, stride, slots, n, q, sg, part); break;
-      case 3: score_tile<C, 3>(kvh, stride, slots, n, q, sg, part); break;
-      default: score_tile<C, 4>(kvh, stride, slots, n, q, sg, part); break;
+      case 1: score_tile<C, 1>(kvh, stride, slots, n, q, sg, part, g0 ? nullptr : vh, v_slot); break;
+      case 2: score_tile<C, 2>(kvh, stride, slots, n, q, sg, part, g0 ? nullptr : vh, v_slot); break;
+      case 3: score_tile<C, 3>(kvh, stride, slots, n, q, sg, part, g0 ? nullptr : vh, v_slot); break;
+      default: score_tile<C, 4>(kvh, stride, slots, n, q, sg, part, g0 ? nullptr : vh, v_slot); break;
     }
   }
 }
@@ -260,12 +270,12 @@ void tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int6
 // for other dims (the caller's generic loops then run).
 template <typename T>
 bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, int64_t n, int64_t group, int64_t dim,
-               float* qf_or_acc, float* sc, TileVec* part) {
+               float* qf_or_acc, float* sc, TileVec* part, const T* vh = nullptr, int64_t v_slot = 0) {
   switch (dim) {
-    case 32: tiles<32 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 64: tiles<64 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 128: tiles<128 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
-    case 256: tiles<256 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part); return true;
+    case 32: tiles<32 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part, vh, v_slot); return true;
+    case 64: tiles<64 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part, vh, v_slot); return true;
+    case 128: tiles<128 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part, vh, v_slot); return true;
+    case 256: tiles<256 / kLanes>(scores, kvh, stride, slots, n, group, qf_or_acc, sc, part, vh, v_slot); return true;
     default: return false;
   }
 }
@@ -350,7 +360,7 @@ void decode_tasks(const at::Tensor& query, const at::Tensor& key, const at::Tens
     if constexpr (vectorizable) {
       slots.resize(n);
       for_each_slot(blocks, block_size, first, last, [&](int64_t j, int64_t slot) { slots[j] = slot; });
-      tiled = run_tiles<T>(true, kh, k_slot, slots.data(), n, group, dim, qf.data(), sc, part.data());
+      tiled = run_tiles<T>(true, kh, k_slot, slots.data(), n, group, dim, qf.data(), sc, part.data(), vh, v_slot);
     }
 #endif
     if (!tiled) {
