@@ -50,8 +50,9 @@ void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRe
 
 // Keys a unit of decode attention reads: a row's KV head with more keys is cut into chunks
 // of this many, each a unit of work, so that a lone request's few KV heads are shared out over
-// every thread (three heads on two threads left one thread idle a third of the time). The
-// chunks' softmax sums are merged in chunk order: the values do not depend on the threads.
+// every thread (whole heads as units, three on two threads would leave one idle a third of the
+// attention's time). The chunks' softmax sums are merged in chunk order: the values depend
+// neither on the threads nor on the batch.
 constexpr int64_t kKeyChunk = 64;
 
 // What the units of one paged_decode call share: each multi-chunk unit's partial results

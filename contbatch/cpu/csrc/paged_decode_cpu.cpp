@@ -281,8 +281,8 @@ bool run_tiles(bool scores, const T* kvh, int64_t stride, const int64_t* slots, 
 }
 #endif
 
-// Where row r's units start (units_of[r], units_of[rows] = the call's units) and how many
-// key chunks each of its KV heads has: every thread works the plan out alike from kv_lens.
+// Where row r's units start (first[r]; first[rows] is the call's count) and how many key
+// chunks each of its KV heads has: every thread works the plan out alike from kv_lens.
 struct Plan {
   std::vector<int64_t> first, chunks;
 };
