@@ -168,12 +168,12 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
   for (int64_t t = 0; t < threads; ++t) products.push_back(at::empty({tokens, inter}, f32));
   std::vector<Linears> linears(threads);
   const at::Tensor no_sinks = at::empty({0}, f32);
-  contbatch_parts::DecodeSplit split;  // sized for no window: every layer's split fits in it
-  split.reserve(kv_lens, kv_heads, group, head_dim, 0);
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  contbatch_parts::DecodeSplit split;  // sized for no window: every layer's units fit in it
+  split.reserve(contbatch_parts::decode_units(lens, tokens, kv_heads, 0), tokens * kv_heads, group, head_dim);
   const auto split_needed = [&](int64_t window) {  // the same answer on every thread
     for (int64_t r = 0; r < tokens; ++r)
-      if ((window > 0 ? std::min<int64_t>(lens[r], window) : lens[r]) > contbatch_parts::kKeyChunk) return true;
+      if (contbatch_parts::key_chunks(lens[r], window) > 1) return true;
     return false;
   };
   // A failing part's number and error (the earliest part's, if several fail): every thread

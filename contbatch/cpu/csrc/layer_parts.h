@@ -55,6 +55,20 @@ void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRe
 // neither on the threads nor on the batch.
 constexpr int64_t kKeyChunk = 64;
 
+// The chunks of one row's KV head: its visible keys (the last `window` of `len`, or all with
+// window <= 0) in kKeyChunk-key chunks, at least one.
+inline int64_t key_chunks(int64_t len, int64_t window) {
+  const int64_t n = window > 0 ? std::min<int64_t>(len, window) : len;
+  return std::max<int64_t>(1, (n + kKeyChunk - 1) / kKeyChunk);
+}
+
+// The units of a paged_decode call over `rows` rows of key counts `lens`.
+inline int64_t decode_units(const int32_t* lens, int64_t rows, int64_t kv_heads, int64_t window) {
+  int64_t units = 0;
+  for (int64_t r = 0; r < rows; ++r) units += kv_heads * key_chunks(lens[r], window);
+  return units;
+}
+
 // What the units of one paged_decode call share: each multi-chunk unit's partial results
 // (its [group] score maxima, [group] exponential sums, [group, dim] value sums) and, per row
 // and KV head, how many of its units have finished.
@@ -64,14 +78,13 @@ struct DecodeSplit {
   std::unique_ptr<std::atomic<int32_t>[]> done;
 
   static int64_t unit_floats(int64_t group, int64_t dim) { return group * (2 + dim); }
-  // Sized for a call with these key counts and window (a smaller window needs no more);
-  // returns the call's units.
-  int64_t reserve(const at::Tensor& kv_lens, int64_t kv_heads, int64_t group, int64_t dim, int64_t window);
+  // Room for `units` units (decode_units) over `heads` (row, KV head) pairs.
+  void reserve(int64_t units, int64_t heads, int64_t group, int64_t dim);
 };
 
 // paged_decode's units (DecodeSplit) of thread t, no sinks (`no_sinks` an empty float32
 // tensor) and no softcap; `out` as paged_decode returns it. `split` is shared by the threads
-// (reserved for these kv_lens without a window, or this one) and reusable after a barrier.
+// (reserved for these kv_lens without a window, or with this one) and reusable after a barrier.
 void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
                         at::Tensor& out, int64_t block_size, double scale, int64_t window, DecodeSplit& split,

@@ -293,15 +293,14 @@ Plan plan_of(const int32_t* lens, int64_t rows, int64_t kv_heads, int64_t window
   plan.chunks.resize(rows);
   plan.first[0] = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = lens[r], n = window > 0 ? std::min<int64_t>(len, window) : len;
-    plan.chunks[r] = std::max<int64_t>(1, (n + contbatch_parts::kKeyChunk - 1) / contbatch_parts::kKeyChunk);
+    plan.chunks[r] = contbatch_parts::key_chunks(lens[r], window);
     plan.first[r + 1] = plan.first[r] + kv_heads * plan.chunks[r];
   }
   return plan;
 }
 
 // Units [begin, end) of the call (unit: a row, a KV head and a chunk of kKeyChunk of its keys,
-// contbatch_parts::DecodeSplit), on the calling thread. A head whose keys fit one chunk is
+// contbatch_parts::DecodeSplit; `plan` the call's, made once by the caller), on the calling thread. A head whose keys fit one chunk is
 // finished by its unit: scores, softmax, weighted values. A longer one's units each leave
 // their chunk's score maximum, exponential sum and unnormalized value sum in `split`, and the
 // last of them to finish merges them in chunk order, so the result does not depend on which
@@ -309,8 +308,8 @@ Plan plan_of(const int32_t* lens, int64_t rows, int64_t kv_heads, int64_t window
 template <typename T>
 void decode_tasks(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& sinks, at::Tensor& out,
-                  int64_t block_size, double scale, int64_t window, double softcap, contbatch_parts::DecodeSplit& split,
-                  int64_t begin, int64_t end) {
+                  int64_t block_size, double scale, int64_t window, double softcap, const Plan& plan,
+                  contbatch_parts::DecodeSplit& split, int64_t begin, int64_t end) {
   const int64_t heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key.size(0), group = heads / kv_heads;
   const T* q = query.data_ptr<T>();
@@ -333,7 +332,6 @@ void decode_tasks(const at::Tensor& query, const at::Tensor& key, const at::Tens
   constexpr bool vectorizable = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
 #endif
 
-  const Plan plan = plan_of(lens, query.size(0), kv_heads, window);
   std::vector<float> scores, qf(group * dim), acc(group * dim), inv(group);
 #ifdef CONTBATCH_TILES
   std::vector<int64_t> slots;
@@ -461,12 +459,14 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
   auto out = at::empty_like(query);
   if (query.size(0) == 0) return out;
   const at::Tensor sinks_c = sinks.contiguous();
+  const Plan plan = plan_of(kv_lens.data_ptr<int32_t>(), query.size(0), key.size(0), window);
+  const int64_t units = plan.first.back();
   contbatch_parts::DecodeSplit split;
-  const int64_t units = split.reserve(kv_lens, key.size(0), query.size(1) / key.size(0), query.size(2), window);
+  split.reserve(units, query.size(0) * key.size(0), query.size(1) / key.size(0), query.size(2));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       decode_tasks<scalar_t>(query, key, value, block_table, kv_lens, sinks_c, out, block_size, scale, window, softcap,
-                             split, begin, end);
+                             plan, split, begin, end);
     });
   });
   return out;
@@ -480,22 +480,22 @@ void paged_decode_share(const at::Tensor& query, const at::Tensor& key, const at
                         const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& no_sinks,
                         at::Tensor& out, int64_t block_size, double scale, int64_t window, DecodeSplit& split,
                         int64_t t, int64_t threads) {
-  const int64_t units = plan_of(kv_lens.data_ptr<int32_t>(), query.size(0), key.size(0), window).first.back();
+  const Plan plan = plan_of(kv_lens.data_ptr<int32_t>(), query.size(0), key.size(0), window);
+  const int64_t units = plan.first.back();
   TORCH_CHECK(units <= split.units, "paged_decode_share: the split holds ", split.units, " units, the call has ", units);
   const auto [begin, end] = share_of(units, 1, t, threads);
   if (begin >= end) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode_tasks<scalar_t>(query, key, value, block_table, kv_lens, no_sinks, out, block_size, scale, window, 0.0,
-                           split, begin, end);
+                           plan, split, begin, end);
   });
 }
 
-int64_t DecodeSplit::reserve(const at::Tensor& kv_lens, int64_t kv_heads, int64_t group, int64_t dim, int64_t window) {
-  units = plan_of(kv_lens.data_ptr<int32_t>(), kv_lens.size(0), kv_heads, window).first.back();
+void DecodeSplit::reserve(int64_t units_, int64_t heads, int64_t group, int64_t dim) {
+  units = units_;
   partial.reset(new float[units * unit_floats(group, dim)]);
-  done.reset(new std::atomic<int32_t>[kv_lens.size(0) * kv_heads]);
-  for (int64_t i = 0; i < kv_lens.size(0) * kv_heads; ++i) done[i].store(0, std::memory_order_relaxed);
-  return units;
+  done.reset(new std::atomic<int32_t>[heads]);
+  for (int64_t i = 0; i < heads; ++i) done[i].store(0, std::memory_order_relaxed);
 }
 
 }  // namespace contbatch_parts
