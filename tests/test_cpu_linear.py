@@ -19,7 +19,7 @@ from conftest import make_tiny_model, random_prompts, reference_generate
 pytestmark = pytest.mark.skipif(not linear_kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear")
 
 
-@pytest.mark.parametrize("kernel", ["aten", "onednn", "small_linear", "auto"])
+@pytest.mark.parametrize("kernel", ["aten", "onednn", "small_linear", "panel", "auto"])
 def test_greedy_output_equals_generate_with_each_kernel(llama_model, kernel):
     prompts = random_prompts(12, 1, 40, seed=5)
     config = ContinuousBatchingConfig(block_size=4, max_batch_tokens=32, cpu_kernel_overrides={"linear": kernel})
@@ -149,7 +149,8 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
               if isinstance(m, torch.nn.Linear)}
     for regime in range(3):
         assert set(auto.kernels_at(regime)) <= shapes
-        assert set(auto.kernels_at(regime).values()) <= {"onednn", "small_linear"}
+        assert set(auto.kernels_at(regime).values()) <= {"onednn", "small_linear", "panel"}
+    assert "panel" not in auto.kernels_at(0).values()  # one row streams the plain weight
     assert "4 rows:" in auto.summary and "32 rows:" in auto.summary
     assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
@@ -200,6 +201,97 @@ def test_small_linear_output_does_not_depend_on_rows_or_band(dtype):
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+@pytest.mark.parametrize("rows", [2, 13, 14, 15, 29, 32, 100, 128, 129])
+def test_panel_linear_matches_float64(rows):
+    """Row counts around the tile's 14 and the 128 rows above which aten's GEMM takes over, odd
+    widths (a last panel of fewer than 32 outputs, of fewer than 16), with and without a bias:
+    float32 sums within rounding of the exact product, in the input's leading shape."""
+    gen = torch.Generator().manual_seed(rows)
+    for out_features, in_features in [(96, 64), (33, 70), (5, 31), (300, 576)]:
+        w = torch.rand(out_features, in_features, generator=gen) - 0.5
+        x = torch.rand(1, rows, in_features, generator=gen) - 0.5
+        b = torch.rand(out_features, generator=gen) - 0.5
+        packed = ops.panel_pack(w)
+        assert packed.shape == ((out_features + 31) // 32, in_features, 32)
+        for bias in (None, b):
+            got = ops.panel_linear(x, w, packed, bias)
+            assert got.shape == (1, rows, out_features) and got.dtype == torch.float32
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
+def test_panel_linear_rows_do_not_depend_on_the_batch_or_threads():
+    """A row's outputs are one chain of multiply-adds over the input features whatever block,
+    thread or batch the row falls in: bit for bit the same alone, among 15 or 100 rows, and on
+    one thread or three."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.rand(1000, 200, generator=gen) - 0.5
+    b = torch.rand(1000, generator=gen) - 0.5
+    x = torch.rand(100, 200, generator=gen) - 0.5
+    packed = ops.panel_pack(w)
+    full = ops.panel_linear(x, w, packed, b)
+    for rows in (1, 2, 15, 40):
+        assert torch.equal(ops.panel_linear(x[:rows], w, packed, b), full[:rows]), rows
+    assert torch.equal(ops.panel_linear(x[57:58], w, packed, b)[0], full[57])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(ops.panel_linear(x, w, packed, b), full), n
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="panel_pack of|its panel_pack"):
+        ops.panel_linear(x, w[:, :100], packed, b)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.panel_linear(x.bfloat16(), w, packed, b)
+
+
+def test_panel_weights_are_packed_at_the_first_batch_and_follow_weight_updates(monkeypatch):
+    """Layers on the panel kernel pack their weight at their first call of two or more rows (a
+    lone request's one-row steps read the plain weight); an in-place update or a replaced weight
+    is packed again before the next use, so tokens keep equal `generate`; without copies
+    (`linear_prepack` off) the kernel is not used."""
+    model = make_tiny_model("llama")
+    prompts = random_prompts(6, 5, 30, seed=12)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    packs = []
+    real = ops.panel_pack
+    monkeypatch.setattr(ops, "panel_pack", lambda w: packs.append(w) or real(w))
+    manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "panel"}))
+    plan = manager.resolved_config.cpu.linear
+    assert plan.prepack and "panel weights packed" in plan.summary and set(plan.kernels_at(2).values()) == {"panel"}
+    assert not plan.kernels_at(0)
+    manager.start()
+    try:
+        def check():
+            ids = [manager.add_request(p) for p in prompts]
+            for rid, prompt in zip(ids, prompts):
+                assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(model, prompt, 6)
+
+        check()
+        down = model.model.layers[0].mlp.down_proj
+        assert sum(p is down.weight for p in packs) == 1
+        with torch.no_grad():  # in place, as an optimizer step does
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.mul_(torch.linspace(0.5, 1.5, m.weight.shape[1]))
+        manager.update_weights()
+        check()
+        assert sum(p is down.weight for p in packs) == 2
+        down.weight = torch.nn.Parameter(down.weight.detach().flip(0))  # a new tensor
+        manager.update_weights()
+        check()
+        assert sum(p is down.weight for p in packs) == 1
+    finally:
+        manager.stop(timeout=30)
+    assert not any("_contbatch_panel" in m.__dict__ for m in model.modules())
+    off = ContinuousBatchingManager(model, config=ContinuousBatchingConfig(
+        cpu_kernel_overrides={"linear": "panel", "linear_prepack": False})).resolved_config.cpu.linear
+    assert not off.routes_anything and "not available" in off.summary
+
+
+@pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
 def test_native_small_linear_refuses_what_it_cannot_take():
     w = torch.rand(8, 16)
     with pytest.raises(RuntimeError, match="1 to 7 rows"):
@@ -218,10 +310,11 @@ def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(40, 24, generator=gen) - 0.5).to(dtype)
     b = (torch.rand(40, generator=gen) - 0.5).to(dtype)
-    kernels = {"aten": torch.nn.functional.linear, "small_linear": ops.small_linear}
+    # panel's packed weight is no input of the op: a compiled step's panel linear is aten's
+    kernels = {"aten": torch.nn.functional.linear, "small_linear": ops.small_linear, "panel": torch.nn.functional.linear}
     if linear_kernels.onednn_available(dtype):
         kernels["onednn"] = linear_kernels.onednn_linear
-    routes = [("small_linear", "small_linear", "aten"), ("aten", "small_linear", "aten")]
+    routes = [("small_linear", "small_linear", "aten"), ("aten", "small_linear", "aten"), ("small_linear", "panel", "panel")]
     if "onednn" in kernels:
         routes += [("small_linear", "small_linear", "onednn"), ("onednn", "aten", "onednn"), ("aten", "onednn", "small_linear")]
     for route in routes:

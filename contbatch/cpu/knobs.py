@@ -5,8 +5,10 @@ comparison with the module it replaces); `"off"` keeps PyTorch's own ops everywh
 `cpu_kernel_overrides` changes single kernels on top of either, for A/B work:
 
 - `linear`: `"auto"`, `"aten"` (PyTorch's `F.linear`), `"onednn"`, `"small_linear"` (our few-row
-  kernel) or `"upcast"` (the linear router);
-- `linear_prepack`: `True` or `False` (layers on oneDNN keep a prepacked copy of their weight);
+  kernel), `"panel"` (our float32 batch kernel on panel-packed weights) or `"upcast"` (the
+  linear router);
+- `linear_prepack`: `True` or `False` (layers on oneDNN or panel keep a packed copy of their
+  weight; without copies `panel` is not used);
 - `norm`: `"auto"` or `"off"` (the fused RMSNorm, or the module's own forward);
 - `rotary`: `"auto"` or `"off"` (the fused rotary embedding);
 - `layer`: `"auto"`, `"layer"` or `"off"` (decoder layers as one call; `"layer"`: no stack);
@@ -28,7 +30,7 @@ from dataclasses import dataclass, fields
 logger = logging.getLogger("contbatch")
 
 CPU_KERNELS = ("auto", "off")
-LINEAR_KERNELS = ("auto", "aten", "onednn", "small_linear", "upcast")
+LINEAR_KERNELS = ("auto", "aten", "onednn", "small_linear", "panel", "upcast")
 OVERRIDES: dict[str, tuple] = {
     "linear": LINEAR_KERNELS,
     "linear_prepack": (True, False),

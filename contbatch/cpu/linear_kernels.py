@@ -7,7 +7,9 @@
   of output features at a time, rounded to the weight's dtype once, at the end. 16-bit products
   are exact in float32, so this differs from a 16-bit GEMM by rounding only.
 
-Our own kernel for a few rows (`small_linear`) is in `ops.py`. `contbatch::onednn_linear` and
+Our own kernels, for a few rows (`small_linear`) and for float32 batches on a weight packed in
+panels (`panel`, which keeps its packed copy in a `PackedWeight` as oneDNN's prepacking does),
+are in `ops.py`. `contbatch::onednn_linear` and
 `contbatch::upcast_linear` are the two kernels as custom ops, opaque to a compiled step:
 Inductor's own lowering of oneDNN's linear wants weights frozen as constants, which would make
 weight updates impossible.
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import native, ops
 from .ops import SMALL_LINEAR_MAX_ROWS
 
 logger = logging.getLogger("contbatch")
@@ -51,10 +54,13 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def available_kernels(dtype: torch.dtype, rows: int = 1) -> list[str]:
-    """The kernels that can compute a product of `rows` rows at `dtype` here, aten first: ours
-    takes 1-7 rows of float32 or bfloat16, `upcast` 16-bit weights."""
+    """The kernels that can compute a product of `rows` rows at `dtype` here, aten first:
+    `small_linear` takes 1-7 rows of float32 or bfloat16, `panel` two rows or more of float32
+    (one row streams the weight, where small_linear reads the plain one), `upcast` 16-bit weights."""
+    ours = native.load()[0]
     return (["aten"] + ["onednn"] * onednn_available(dtype)
-            + ["small_linear"] * (native.load()[0] and dtype != torch.float16 and rows <= SMALL_LINEAR_MAX_ROWS)
+            + ["small_linear"] * (ours and dtype != torch.float16 and rows <= SMALL_LINEAR_MAX_ROWS)
+            + ["panel"] * (ours and dtype == torch.float32 and rows > 1)
             + ["upcast"] * (dtype in (torch.bfloat16, torch.float16)))
 
 
@@ -77,17 +83,24 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(eq=False)
 class PackedWeight:
-    """A layer's prepacked weight and the weight (tensor and version) it was packed from.
+    """A layer's prepacked weight and the weight (tensor and version) it was packed from, by
+    `packer` (oneDNN's `pack` where None, or `ops.panel_pack`).
 
-    Packed at the layer's second call of more than one row, not when the router is installed:
-    a lone request (one prompt step, then one-row steps, which read the plain weight) never
-    pays for the copies. Its first multi-row call runs oneDNN on the plain weight: the same
-    products, bit for bit."""
+    oneDNN's copy is packed at the layer's second call of more than one row, not when the
+    router is installed: a lone request (one prompt step, then one-row steps, which read the
+    plain weight) never pays for the copies. Its first multi-row call runs oneDNN on the plain
+    weight: the same products, bit for bit. The panel kernel has no such call on the plain
+    weight (`panel`: unpacked_calls 0): it packs at the first."""
 
     weight: torch.Tensor | None
     version: int
     packed: torch.Tensor | None
     unpacked_calls: int = 1  # multi-row calls still to run on the plain weight
+    packer: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: oneDNN's `pack`
+
+    @classmethod
+    def panel(cls) -> "PackedWeight":
+        return cls(None, -1, None, 0, ops.panel_pack)
 
     def fresh(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` as it is now (None while deferred): packed again if it
@@ -97,16 +110,16 @@ class PackedWeight:
             self.unpacked_calls -= 1
             return None
         if weight is not self.weight or weight._version != self.version:
-            self.weight, self.version, self.packed = weight, weight._version, pack(weight)
+            self.weight, self.version, self.packed = weight, weight._version, (self.packer or pack)(weight)
         return self.packed
 
     # A copy of the model made while a manager runs (a frozen reference policy, a pickled
     # checkpoint) cannot copy oneDNN's opaque tensor: it gets an empty one, packed on first use.
     def __deepcopy__(self, memo) -> "PackedWeight":
-        return PackedWeight(None, -1, None, 0)
+        return PackedWeight(None, -1, None, 0, self.packer)
 
     def __reduce__(self):
-        return (PackedWeight, (None, -1, None, 0))
+        return (PackedWeight, (None, -1, None, 0, self.packer))
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

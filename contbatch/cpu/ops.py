@@ -16,8 +16,10 @@ from . import native
 SMALL_LINEAR_MAX_ROWS = 7  # rows `small_linear` takes; more go to another kernel
 # Kernel codes of `routed_linear` (csrc/small_linear_cpu.cpp), which picks a route's kernel by
 # the row count when it runs, so a compiled step needs one graph for every step size.
-ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2}
+# `panel` needs its packed weight, which the op does not get: there it runs aten's linear.
+ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2, "panel": 4}
 QUANT_CODE = 3  # decoder_stack's route code of a packed linear (cpu/quant/linear.py's QuantLinear)
+PANEL_MAX_ROWS = 128  # rows `panel_linear` computes on its panels; more take aten's GEMM (csrc/panel_linear_cpu.cpp)
 
 _argmax_kernel: bool | None = None  # resolved on the first CPU call
 _fakes_registered: list[bool] = []
@@ -75,10 +77,25 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.contbatch_cpu.small_linear(x, weight, bias)
 
 
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [out, in] weight as `panel_linear` reads it: [ceil(out / 32), in, 32], panels of
+    32 output features, each input feature's 32 weights one contiguous run (a copy)."""
+    return torch.ops.contbatch_cpu.panel_pack(weight.detach())
+
+
+def panel_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` for float32 rows on `packed` (`panel_pack(weight)`): up to PANEL_MAX_ROWS rows on
+    the panels, float32 sums over the input features in order (a row's outputs the same whatever
+    rows share the call), more rows by aten's linear on `weight`."""
+    return torch.ops.contbatch_cpu.panel_linear(x, weight, packed, bias)
+
+
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   codes: tuple[int, int, int]) -> torch.Tensor:
     """`F.linear` on the kernel `codes` (ROUTED_CODES) names for one row, 2 to SMALL_LINEAR_MAX_ROWS
-    rows and more, chosen by the row count when it runs; bit for bit that kernel's result."""
+    rows and more, chosen by the row count when it runs; bit for bit that kernel's result, except
+    `panel`, which runs aten's linear here (the op has no packed weight)."""
     return torch.ops.contbatch_cpu.routed_linear(x, weight, bias, *codes)
 
 

@@ -236,15 +236,17 @@ def _best_of(fns: dict[str, Callable[[torch.Tensor], object]], weights: dict[str
 
 
 def time_kernels(out_features: int, in_features: int, rows: int, pool: ProbePool, kernels: tuple[str, ...],
-                 packed: Callable[[], list[torch.Tensor]] | None = None) -> dict[str, float]:
+                 packs: dict[str, Callable[[], list]] | None = None) -> dict[str, float]:
     """Best-of seconds per kernel for one product, from the store or timed (and stored), per
-    thread count and pool. `packed`, where oneDNN runs on prepacked weights, gives the pool's
-    copies packed (what will run), made once per shape for every row count probed.
+    thread count and pool. `packs`, where oneDNN runs on prepacked weights and for `panel`
+    (which runs only so), gives per kernel the pool's copies packed (what will run), made once
+    per shape for every row count probed.
 
     From HOT_ROWS rows a product does enough arithmetic per weight byte to be compute-bound,
     so a weight read from the cache times as one streamed from memory: those products are timed
     on HOT_BYTES of copies rather than the whole pool."""
-    prepack = packed is not None
+    packs = packs or {}
+    prepack = "onednn" in packs
     hot = rows >= HOT_ROWS
     where = f"hot={HOT_BYTES}" if hot else f"pool={pool.numel}"
     key = (f"{out_features}x{in_features} rows={rows} threads={torch.get_num_threads()} {where} "
@@ -258,9 +260,10 @@ def time_kernels(out_features: int, in_features: int, rows: int, pool: ProbePool
         most = max(3, min(10, int(2e8 // max(out_features * in_features * rows * count, 1))))
         fns = {"aten": torch.nn.functional.linear,
                "onednn": linear_kernels.packed_linear if prepack else linear_kernels.onednn_linear,
-               "small_linear": ops.small_linear, "upcast": linear_kernels.upcast_linear}
+               "small_linear": ops.small_linear, "upcast": linear_kernels.upcast_linear,
+               "panel": lambda x, pair, b: ops.panel_linear(x, pair[0], pair[1], b)}
         with torch.inference_mode():
             times = _best_of({k: (lambda w, f=fns[k]: f(x, w, None)) for k in kernels},
-                             {k: (packed() if k == "onednn" and prepack else weights)[:count] for k in kernels}, most)
+                             {k: (packs[k]() if k in packs else weights)[:count] for k in kernels}, most)
         store.put(key, times)
     return times

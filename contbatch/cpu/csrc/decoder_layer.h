@@ -12,7 +12,7 @@
 namespace contbatch_layer {
 
 constexpr int64_t kMaxRows = 7;  // small_linear_cpu.cpp's
-enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3 };
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3, kPanel = 4 };
 enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
 constexpr int64_t kLinears = 7;
 constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight

@@ -81,7 +81,8 @@ at::Tensor add_lora(const at::Tensor& x, const at::Tensor& y, int64_t index, con
 }
 
 // One linear as cpu/routers/linear.py's `_routed_forward` runs it: the route's kernel for this
-// row count, oneDNN on the prepacked weight for more than one row where there is one.
+// row count, oneDNN on the prepacked weight for more than one row where there is one, the panel
+// kernel on its packed weight.
 at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
   static const auto small =
       find("contbatch_cpu::small_linear")
@@ -90,6 +91,9 @@ at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
       find("mkldnn::_linear_pointwise")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
                             c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
+  static const auto panel =
+      find("contbatch_cpu::panel_linear")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
   static const auto quant =
       find("contbatch_cpu::quant_linear")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -99,6 +103,10 @@ at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
   const int64_t rows = x.numel() / x.size(-1);
   const int64_t kernel = layer.codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
   if (kernel == kNative) return small.call(x, weight, bias);
+  if (kernel == kPanel) {
+    TORCH_CHECK(layer.packed[index].has_value(), "decoder_stack: a panel linear without its packed weight");
+    return panel.call(x, weight, *layer.packed[index], bias);
+  }
   if (kernel == kQuant)  // QuantLinear.forward's call
     return quant.call(x, weight, *layer.quant_scales[index], layer.quant_mins[index], bias,
                       layer.quant_formats[2 * index], layer.quant_formats[2 * index + 1]);

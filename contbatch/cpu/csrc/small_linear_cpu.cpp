@@ -282,7 +282,7 @@ std::vector<at::Tensor> small_linears(const at::Tensor& input, at::TensorList we
 }
 
 // The kernels a routed layer can take (cpu/ops.py's `ROUTED_CODES`).
-enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2 };
+enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kPanel = 4 };  // decoder_layer.h's codes
 
 at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
@@ -312,6 +312,7 @@ at::Tensor routed_linear(const at::Tensor& input, const at::Tensor& weight, cons
     case kOneDnn:
       return onednn_linear(input, weight, bias);
     case kAten:
+    case kPanel:  // its packed weight is not an input here: aten's linear (ops.py)
       return at::linear(input, weight, bias);
     default:
       TORCH_CHECK(false, "routed_linear: unknown kernel code ", kernel);

@@ -28,7 +28,8 @@ import torch
 from .. import ops
 from ..quant.linear import QuantLinear
 
-ONEDNN = ops.ROUTED_CODES["onednn"]
+# The attribute holding a linear's packed copy (linear_kernels.PackedWeight), per route code.
+HOLDERS = {ops.ROUTED_CODES["onednn"]: "_contbatch_packed", ops.ROUTED_CODES["panel"]: "_contbatch_panel"}
 
 
 @dataclass(eq=False)
@@ -132,13 +133,13 @@ class FusedLayer:
         return Arguments([self])
 
     def packed(self, regime: int) -> list[torch.Tensor | None]:
-        """oneDNN's prepacked copies, for the linears that run oneDNN at this many rows (more
-        than one: routers/linear.py)."""
+        """The packed copies of the linears that run on one at this many rows (more than one:
+        routers/linear.py): oneDNN's prepacked weight, or the panel kernel's."""
         packed = [None] * len(self.linears)
         if regime:
             for i, m in enumerate(self.linears):
-                holder = m.__dict__.get("_contbatch_packed")
-                if holder is not None and self.codes[3 * i + regime] == ONEDNN:
+                holder = m.__dict__.get(HOLDERS.get(self.codes[3 * i + regime], ""))
+                if holder is not None:
                     packed[i] = holder.fresh(m.weight)
         return packed
 

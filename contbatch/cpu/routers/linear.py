@@ -1,7 +1,8 @@
 """CPU linear layers on the fastest kernel the machine has, per weight shape and row count.
 
 The kernels: `aten` (`F.linear`), `onednn` and `upcast` (`linear_kernels.py`), `small_linear` (ours,
-1-7 rows of float32 or bfloat16: `ops.small_linear`). `plan_linear` chooses per weight shape
+1-7 rows of float32 or bfloat16: `ops.small_linear`) and `panel` (ours, float32 batches on a
+weight packed in panels: `ops.panel_linear`). `plan_linear` chooses per weight shape
 and dtype and per row regime: one row (a lone request decoding), a few rows (2 to FEW_ROWS - 1:
 a few requests, a speculative verification run; timed at 4) and a batch (timed at 32). "auto"
 times every available kernel on the model's own shapes (`probe.py`) and takes one other than
@@ -14,6 +15,8 @@ Layers routed to oneDNN keep a prepacked copy of their weight while the manager 
 bit the same products), where the copies of every candidate's weight fit in
 PREPACK_RAM_FRACTION of the available RAM: packed at the layer's second multi-row call, and
 again when its weight changed (a new tensor, or an in-place update: its version counter moved).
+`panel` runs only on such a copy (its own layout, packed at the layer's first multi-row call):
+where copies are not kept, it is not a candidate.
 
 Only plain `nn.Linear` modules with float32, bfloat16 or float16 CPU weights and no forward of
 their own already patched in (hooks, adapters) are touched. Only calls inside an engine step
@@ -60,10 +63,10 @@ Shape = tuple[int, int, str]  # (out_features, in_features, weight dtype name): 
 class LinearPlan:
     """The kernel of each weight shape routed away from aten, per regime, and how the choice was made."""
 
-    kernel: str  # what the user asked: auto, aten, onednn, small_linear or upcast
+    kernel: str  # what the user asked: auto, aten, onednn, small_linear, panel or upcast
     routes: tuple[tuple[Shape, tuple[str, str, str]], ...]  # shape -> kernel at 1 row, a few rows, a batch
     summary: str
-    prepack: bool = False  # layers routed to oneDNN keep a prepacked copy of their weight
+    prepack: bool = False  # layers routed to oneDNN or panel keep a packed copy of their weight
 
     @property
     def routes_anything(self) -> bool:
@@ -95,12 +98,12 @@ def one_row_weights(model: torch.nn.Module, plan: LinearPlan) -> list[torch.Tens
 
 
 def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list[str]) -> tuple[bool, str]:
-    """Whether oneDNN layers keep prepacked weights, and why: asked, oneDNN here, trackable
-    weights (inference tensors have no version counter), and copies of every candidate layer's
-    weight within PREPACK_RAM_FRACTION of the available RAM."""
+    """Whether oneDNN and panel layers keep packed weights, and why: asked, a kernel that packs
+    here, trackable weights (inference tensors have no version counter), and copies of every
+    candidate layer's weight within PREPACK_RAM_FRACTION of the available RAM."""
     if not asked:
         return False, "oneDNN weights not prepacked (as asked)"
-    if "onednn" not in available:
+    if "onednn" not in available and "panel" not in available:
         return False, ""
     if any(m.weight.is_inference() for m in layers):
         return False, "oneDNN weights not prepacked (inference-mode weights: updates could not be seen)"
@@ -112,18 +115,23 @@ def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list
     return True, ""
 
 
-def _packs(route: tuple[str, str, str] | None) -> bool:
-    """Whether a layer with this route runs oneDNN on two rows or more (one row keeps the plain weight)."""
-    return route is not None and "onednn" in route[1:]
+def _packs(route: tuple[str, str, str] | None, kernel: str = "onednn") -> bool:
+    """Whether a layer with this route runs `kernel` (oneDNN or panel) on two rows or more (one
+    row keeps the plain weight)."""
+    return route is not None and kernel in route[1:]
 
 
 def _packed_note(model: torch.nn.Module, routes, prepack: bool, why: str) -> str:
     if not prepack:
         return f"; {why}" if why else ""
     by_shape = dict(routes)
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates(model)
-                 if _packs(by_shape.get(shape_of(m))))
-    return f"; oneDNN weights prepacked ({nbytes / 2**20:.0f} MiB of copies)" if nbytes else ""
+    notes = []
+    for kernel, what in (("onednn", "oneDNN weights prepacked"), ("panel", "panel weights packed")):
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates(model)
+                     if _packs(by_shape.get(shape_of(m)), kernel))
+        if nbytes:
+            notes.append(f"; {what} ({nbytes / 2**20:.0f} MiB of copies)")
+    return "".join(notes)
 
 
 def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = True) -> LinearPlan:
@@ -136,20 +144,23 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         return LinearPlan(kernel, (), f"aten ({why})")
     if native.load()[0]:
         ops.register_linear_fakes()
-    available = {name: linear_kernels.available_kernels(getattr(torch, name))
+    available = {name: sorted({k for rows in PROBE_ROWS for k in linear_kernels.available_kernels(getattr(torch, name), rows)})
                  for name in sorted({s[2] for s in shapes})}
     prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
     missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
     no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
+    if not prepack:  # the panel kernel runs on its packed copy only
+        available = {name: [k for k in kernels if k != "panel"] for name, kernels in available.items()}
     if kernel != "auto":
         routes = []
         for s in shapes:
             if kernel in available[s[2]]:
                 batch = kernel if kernel != "small_linear" else "onednn" if "onednn" in available[s[2]] else "aten"
-                routes.append((s, (kernel, kernel, batch)))
+                routes.append((s, ("aten" if kernel == "panel" else kernel, kernel, batch)))
         if not routes:
             return LinearPlan(kernel, (), f"aten ({kernel} is not available here{no_onednn})")
-        above = f"; oneDNN or aten above {ops.SMALL_LINEAR_MAX_ROWS} rows" if kernel == "small_linear" else ""
+        above = (f"; oneDNN or aten above {ops.SMALL_LINEAR_MAX_ROWS} rows" if kernel == "small_linear" else
+                 f"; aten for one row and above {ops.PANEL_MAX_ROWS} rows" if kernel == "panel" else "")
         left = (f"; {len(shapes) - len(routes)} on aten ({kernel} is not available for them)"
                 if len(routes) < len(shapes) else "")
         return LinearPlan(kernel, tuple(routes), f"{kernel} for {len(routes)} of {len(shapes)} weight shapes "
@@ -167,16 +178,19 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         pool = probe.probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
-            packed = functools.cache(
-                lambda s=shape: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, s[0], s[1])])
+            packs = {"onednn": functools.cache(
+                         lambda s=shape: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, s[0], s[1])]),
+                     "panel": functools.cache(
+                         lambda s=shape: [(w, ops.panel_pack(w)) for w in probe.copies(pool.tensor, s[0], s[1])])}
             for regime, rows in enumerate(PROBE_ROWS):
-                kernels = tuple(linear_kernels.available_kernels(dtype, rows))
+                kernels = tuple(k for k in linear_kernels.available_kernels(dtype, rows) if k in available[name])
                 times = probe.time_kernels(shape[0], shape[1], rows, pool, kernels,
-                                           packed if prepack and rows > 1 else None)
+                                           {k: packs[k] for k in kernels if k in packs} if prepack and rows > 1
+                                           else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
                 chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
-            del packed  # the packed copies (up to POOL_BYTES) go before the next shape's are made
+            del packs  # the packed copies (up to POOL_BYTES each) go before the next shape's are made
         del pool
     routes = tuple((s, tuple(k)) for s, k in chosen.items() if set(k) != {"aten"})
     parts = []
@@ -234,6 +248,8 @@ def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
             return linear_kernels.onednn_linear(input, self.weight, self.bias)
         if kernel == "small_linear":  # traceable as is: its C++ op has a fake
             return ops.small_linear(input, self.weight, self.bias)
+        if kernel == "panel":  # needs the library: never traced (compiled steps take `codes` above)
+            return ops.panel_linear(input, self.weight, self._contbatch_panel.fresh(self.weight), self.bias)
         if kernel == "upcast":
             if compiling:
                 return torch.ops.contbatch.upcast_linear(input, self.weight, self.bias)
@@ -241,7 +257,8 @@ def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return torch.nn.Linear.forward(self, input)
 
 
-ATTRIBUTES = ("forward", "_contbatch_route", "_contbatch_codes", "_contbatch_packed", "_contbatch_in_step")
+ATTRIBUTES = ("forward", "_contbatch_route", "_contbatch_codes", "_contbatch_packed", "_contbatch_panel",
+              "_contbatch_in_step")
 
 
 class LinearRouter(Router):
@@ -264,6 +281,8 @@ class LinearRouter(Router):
                 m._contbatch_in_step = context.in_step
                 if self.plan.prepack and _packs(route):
                     m._contbatch_packed = linear_kernels.PackedWeight(None, -1, None)  # packed when first reused
+                if _packs(route, "panel"):  # a plan routes panel only where it keeps copies
+                    m._contbatch_panel = linear_kernels.PackedWeight.panel()
                 m.forward = types.MethodType(_routed_forward, m)
                 self.modules.append(m)
 
