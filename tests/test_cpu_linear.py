@@ -257,7 +257,7 @@ def test_panel_weights_are_packed_at_the_first_batch_and_follow_weight_updates(m
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     packs = []
     real = ops.panel_pack
-    monkeypatch.setattr(ops, "panel_pack", lambda w: packs.append(w) or real(w))
+    monkeypatch.setattr(ops, "panel_pack", lambda w, into=None: packs.append(w) or real(w, into))
     manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "panel"}))
     plan = manager.resolved_config.cpu.linear
     assert plan.prepack and "panel weights packed" in plan.summary and set(plan.kernels_at(2).values()) == {"panel"}
