@@ -100,17 +100,19 @@ def one_row_weights(model: torch.nn.Module, plan: LinearPlan) -> list[torch.Tens
 def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list[str]) -> tuple[bool, str]:
     """Whether oneDNN and panel layers keep packed weights, and why: asked, a kernel that packs
     here, trackable weights (inference tensors have no version counter), and copies of every
-    candidate layer's weight within PREPACK_RAM_FRACTION of the available RAM."""
+    candidate layer's weight (two where both kernels pack: a layer may run one on a few rows and
+    the other on a batch) within PREPACK_RAM_FRACTION of the available RAM."""
     if not asked:
-        return False, "oneDNN weights not prepacked (as asked)"
-    if "onednn" not in available and "panel" not in available:
+        return False, "oneDNN and panel weights not prepacked (as asked)"
+    kinds = ("onednn" in available) + ("panel" in available)
+    if not kinds:
         return False, ""
     if any(m.weight.is_inference() for m in layers):
-        return False, "oneDNN weights not prepacked (inference-mode weights: updates could not be seen)"
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        return False, "oneDNN and panel weights not prepacked (inference-mode weights: updates could not be seen)"
+    nbytes = kinds * sum(m.weight.numel() * m.weight.element_size() for m in layers)
     budget = PREPACK_RAM_FRACTION * psutil.virtual_memory().available
     if nbytes > budget:
-        return False, (f"oneDNN weights not prepacked (copies would take {nbytes / 2**30:.2f} GiB, over "
+        return False, (f"oneDNN and panel weights not prepacked (copies would take {nbytes / 2**30:.2f} GiB, over "
                        f"{PREPACK_RAM_FRACTION:.0%} of the available RAM)")
     return True, ""
 
