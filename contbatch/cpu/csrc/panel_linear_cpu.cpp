@@ -63,16 +63,30 @@ at::Tensor panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>&
   return packed;
 }
 
-// Asks for `lines` cache lines from `from` into L2, spread over the input features of a tile:
-// the next panel arrives while this one is computed on.
+// The next panel's lines a tile asks for (into L2) while it computes, so the next panel arrives
+// while this one is computed on: `lines` from `from`, `per_step` (one or two) at each of the
+// tile's first input features.
 struct Ahead {
   const char* from;
   int64_t lines, per_step;
-  inline void step(int64_t i) const {
-    for (int64_t j = i * per_step, e = std::min(lines, j + per_step); j < e; ++j)
-      __builtin_prefetch(from + j * 64, 0, 2);  // prefetcht1
-  }
 };
+
+// add(i) for every input feature i in order, the first ones each asking for their share of
+// `ahead` (a prefetch past the packed weight's end, at most one line, fetches nothing and
+// does not fault). Two loops rather than a test at every feature: the tiles of many rows are
+// compute-bound, and that test took a share of their time (docs/cpu.md).
+template <typename Add>
+inline void columns(int64_t in, const Ahead& ahead, Add&& add) {
+  const int64_t asking = ahead.per_step ? std::min(in, (ahead.lines + ahead.per_step - 1) / ahead.per_step) : 0;
+  int64_t i = 0;
+  for (; i < asking; ++i) {
+    const char* line = ahead.from + i * ahead.per_step * 64;
+    __builtin_prefetch(line, 0, 2);  // prefetcht1
+    __builtin_prefetch(line + (ahead.per_step - 1) * 64, 0, 2);
+    add(i);
+  }
+  for (; i < in; ++i) add(i);
+}
 
 // One tile: R rows of x ([R, in], row stride ldx) against a panel, into R x `cols` outputs of
 // y (row stride ldy), `bias` (the panel's, or null) added to the sums.
@@ -83,8 +97,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
   __m512 a[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < in; ++i) {
-    ahead.step(i);
+  columns(in, ahead, [&](int64_t i) __attribute__((always_inline)) {
     const __m512 w0 = _mm512_loadu_ps(panel + i * kPanel), w1 = _mm512_loadu_ps(panel + i * kPanel + 16);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -92,7 +105,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
       a[r][0] = _mm512_fmadd_ps(w0, b, a[r][0]);
       a[r][1] = _mm512_fmadd_ps(w1, b, a[r][1]);
     }
-  }
+  });
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1 : 0;
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
@@ -113,8 +126,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
     __m256 a[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < in; ++i) {
-      if (half == 0) ahead.step(i);
+    columns(in, half == 0 ? ahead : Ahead{nullptr, 0, 0}, [&](int64_t i) __attribute__((always_inline)) {
       const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel + half);
       const __m256 w1 = _mm256_loadu_ps(panel + i * kPanel + half + 8);
 #pragma GCC unroll 8
@@ -123,7 +135,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
         a[r][0] = _mm256_fmadd_ps(w0, b, a[r][0]);
         a[r][1] = _mm256_fmadd_ps(w1, b, a[r][1]);
       }
-    }
+    });
     const int64_t n = std::min<int64_t>(16, cols - half);
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(out, a[r][0]);
