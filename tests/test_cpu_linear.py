@@ -201,9 +201,9 @@ def test_small_linear_output_does_not_depend_on_rows_or_band(dtype):
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")
-@pytest.mark.parametrize("rows", [2, 13, 14, 15, 29, 32, 100, 128, 129])
+@pytest.mark.parametrize("rows", [2, 13, 14, 15, 29, 32, 100, 256, 257])
 def test_panel_linear_matches_float64(rows):
-    """Row counts around the tile's 14 and the 128 rows above which aten's GEMM takes over, odd
+    """Row counts around the tile's 14 and the 256 rows above which aten's GEMM takes over, odd
     widths (a last panel of fewer than 32 outputs, of fewer than 16), with and without a bias:
     float32 sums within rounding of the exact product, in the input's leading shape."""
     gen = torch.Generator().manual_seed(rows)

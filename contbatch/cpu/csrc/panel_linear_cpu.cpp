@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // output features a panel holds: two AVX-512 vectors
-constexpr int64_t kPanelMaxRows = 128;  // more rows take aten's GEMM (panel_linear below)
+constexpr int64_t kPanelMaxRows = 256;  // more rows take aten's GEMM (panel_linear below)
 #if defined(__AVX512F__)
 constexpr int64_t kTileRows = 14;  // 28 accumulators of the 32 registers, two for the column
 #else
