@@ -146,8 +146,9 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         return LinearPlan(kernel, (), f"aten ({why})")
     if native.load()[0]:
         ops.register_linear_fakes()
-    available = {name: sorted({k for rows in PROBE_ROWS for k in linear_kernels.available_kernels(getattr(torch, name), rows)})
-                 for name in sorted({s[2] for s in shapes})}
+    available = {name: sorted({k for rows in PROBE_ROWS
+                               for k in linear_kernels.available_kernels(getattr(torch, name), rows)})
+                 for name in sorted({s[2] for s in shapes})}  # at any row count probed
     prepack, why = _prepack_verdict(layers, prepack, [k for kernels in available.values() for k in kernels])
     missing = sorted(name for name, kernels in available.items() if "onednn" not in kernels)
     no_onednn = f"; oneDNN's linear does not run in {', '.join(missing)} here" if missing else ""
