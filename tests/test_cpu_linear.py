@@ -257,7 +257,7 @@ def test_panel_weights_are_packed_at_the_first_batch_and_follow_weight_updates(m
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     packs = []
     real = ops.panel_pack
-    monkeypatch.setattr(ops, "panel_pack", lambda w, into=None: packs.append(w) or real(w, into))
+    monkeypatch.setattr(ops, "panel_pack", lambda w: packs.append(w) or real(w))
     manager = ContinuousBatchingManager(model, gc, ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "panel"}))
     plan = manager.resolved_config.cpu.linear
     assert plan.prepack and "panel weights packed" in plan.summary and set(plan.kernels_at(2).values()) == {"panel"}
@@ -272,11 +272,6 @@ def test_panel_weights_are_packed_at_the_first_batch_and_follow_weight_updates(m
         check()
         down = model.model.layers[0].mlp.down_proj
         assert sum(p is down.weight for p in packs) == 1
-        copies = [m._contbatch_panel.packed for m in model.modules() if "_contbatch_panel" in m.__dict__]
-        assert copies and all(c is not None for c in copies)
-        start = min(c.data_ptr() for c in copies)  # one mapping, from a 2 MiB boundary, in the router's order
-        assert start % (2 << 20) == 0 and start == copies[0].data_ptr()
-        assert all(a.data_ptr() + a.numel() * 4 <= b.data_ptr() for a, b in zip(copies, copies[1:]))
         with torch.no_grad():  # in place, as an optimizer step does
             for m in model.modules():
                 if isinstance(m, torch.nn.Linear):

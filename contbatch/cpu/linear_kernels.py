@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import native, ops
-from .. import hugepages
 from .ops import SMALL_LINEAR_MAX_ROWS
 
 logger = logging.getLogger("contbatch")
@@ -98,12 +96,11 @@ class PackedWeight:
     version: int
     packed: torch.Tensor | None
     unpacked_calls: int = 1  # multi-row calls still to run on the plain weight
-    packer: Callable[..., torch.Tensor] | None = None  # None: oneDNN's `pack`
-    into: torch.Tensor | None = None  # where `packer` writes (panel_arena's slice), if it fits the weight
+    packer: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: oneDNN's `pack`
 
     @classmethod
-    def panel(cls, into: torch.Tensor | None = None) -> "PackedWeight":
-        return cls(None, -1, None, 0, ops.panel_pack, into)
+    def panel(cls) -> "PackedWeight":
+        return cls(None, -1, None, 0, ops.panel_pack)
 
     def fresh(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` as it is now (None while deferred): packed again if it
@@ -113,11 +110,7 @@ class PackedWeight:
             self.unpacked_calls -= 1
             return None
         if weight is not self.weight or weight._version != self.version:
-            if self.into is not None and self.into.shape == ops.panel_shape(*weight.shape):
-                packed = self.packer(weight, self.into)
-            else:
-                packed = (self.packer or pack)(weight)
-            self.weight, self.version, self.packed = weight, weight._version, packed
+            self.weight, self.version, self.packed = weight, weight._version, (self.packer or pack)(weight)
         return self.packed
 
     # A copy of the model made while a manager runs (a frozen reference policy, a pickled
@@ -127,23 +120,6 @@ class PackedWeight:
 
     def __reduce__(self):
         return (PackedWeight, (None, -1, None, 0, self.packer))
-
-
-def panel_arena(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Room for the panel copies of `weights`, one float32 tensor each (`ops.panel_shape`), cut
-    from one mapping advised for 2 MiB pages (`hugepages.py`) where the system has them: a
-    batched decode step streams every copy, and on 4 KiB pages its reads ahead kept missing
-    the TLB (docs/cpu.md). Zero pages until a copy is packed into its slice."""
-    shapes = [ops.panel_shape(*w.shape) for w in weights]
-    sizes = [-(-math.prod(shape) * 4 // 64) * 64 for shape in shapes]  # each on a cache line
-    if not weights:
-        return []
-    buffer, start = hugepages.zeroed_buffer(sum(sizes))
-    out, offset = [], start
-    for shape, size in zip(shapes, sizes):
-        out.append(torch.frombuffer(buffer, dtype=torch.float32, count=math.prod(shape), offset=offset).view(shape))
-        offset += size
-    return out
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

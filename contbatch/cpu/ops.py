@@ -77,16 +77,10 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.contbatch_cpu.small_linear(x, weight, bias)
 
 
-def panel_pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """A float32 [out, in] weight as `panel_linear` reads it: [ceil(out / 32), in, 32], panels of
-    32 output features, each input feature's 32 weights one contiguous run: a copy, written
-    into `into` where given (contiguous float32 of that shape; `panel_shape`)."""
-    return torch.ops.contbatch_cpu.panel_pack(weight.detach(), into)
-
-
-def panel_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
-    """The shape `panel_pack` gives an [out_features, in_features] weight."""
-    return (-(-out_features // 32), in_features, 32)
+    32 output features, each input feature's 32 weights one contiguous run (a copy)."""
+    return torch.ops.contbatch_cpu.panel_pack(weight.detach())
 
 
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,

@@ -34,20 +34,13 @@ constexpr int64_t kTileRows = 14;  // 28 accumulators of the 32 registers, two f
 constexpr int64_t kTileRows = 6;  // AVX2: 12 accumulators of the 16 registers (half a panel)
 #endif
 
-// [out, in] float32 -> [ceil(out / kPanel), in, kPanel], the last panel's missing outputs zero;
-// into `into` where given (a contiguous float32 tensor of that shape: a slice of memory on
-// 2 MiB pages, cpu/routers/linear.py), else into a new tensor.
-at::Tensor panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& into) {
+// [out, in] float32 -> [ceil(out / kPanel), in, kPanel], the last panel's missing outputs zero.
+at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "panel_pack: a 2-D float32 CPU weight, got ", weight.sizes(), " ", weight.scalar_type());
   const at::Tensor w = weight.contiguous();
   const int64_t out = w.size(0), in = w.size(1), panels = (out + kPanel - 1) / kPanel;
-  if (into.has_value())
-    TORCH_CHECK(into->sizes() == at::IntArrayRef({panels, in, kPanel}) && into->scalar_type() == at::kFloat &&
-                    into->is_contiguous() && into->device().is_cpu(),
-                "panel_pack: `into` must be a contiguous float32 [", panels, ", ", in, ", ", kPanel, "] tensor, got ",
-                into->sizes());
-  at::Tensor packed = into.has_value() ? *into : at::empty({panels, in, kPanel}, w.options());
+  at::Tensor packed = at::empty({panels, in, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -222,7 +215,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
-  m.def("panel_pack(Tensor weight, Tensor? into=None) -> Tensor");
+  m.def("panel_pack(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor");
 }
 

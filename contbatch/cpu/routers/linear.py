@@ -276,8 +276,6 @@ class LinearRouter(Router):
         if not self.plan.routes_anything or self.modules:
             return
         routes = dict(self.plan.routes)
-        panels = [m for m in candidates(self.model) if _packs(routes.get(shape_of(m)), "panel")]
-        room = dict(zip(map(id, panels), linear_kernels.panel_arena([m.weight for m in panels])))
         for m in candidates(self.model):
             route = routes.get(shape_of(m))
             if route is not None:
@@ -287,7 +285,7 @@ class LinearRouter(Router):
                 if self.plan.prepack and _packs(route):
                     m._contbatch_packed = linear_kernels.PackedWeight(None, -1, None)  # packed when first reused
                 if _packs(route, "panel"):  # a plan routes panel only where it keeps copies
-                    m._contbatch_panel = linear_kernels.PackedWeight.panel(room[id(m)])
+                    m._contbatch_panel = linear_kernels.PackedWeight.panel()
                 m.forward = types.MethodType(_routed_forward, m)
                 self.modules.append(m)
 
