@@ -29,6 +29,13 @@ def test_greedy_output_equals_generate_with_each_kernel(llama_model, kernel):
         assert results[f"req_{i}"].generated_tokens == reference_generate(llama_model, prompt, 8)
 
 
+def assert_equals_generate(manager, model, prompts, new_tokens: int) -> None:
+    """All `prompts` at once through a running manager: each one's tokens equal `generate`'s."""
+    ids = [manager.add_request(p) for p in prompts]
+    for rid, prompt in zip(ids, prompts):
+        assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(model, prompt, new_tokens)
+
+
 def test_forced_onednn_routes_engine_calls_only_and_is_taken_back():
     """While attached, the engine's forward goes through oneDNN; the user's own forward and
     backward on the same model are the unmodified model's (same loss and gradients), and
@@ -87,9 +94,7 @@ def test_prepacked_weights_are_exact_and_follow_weight_updates(monkeypatch):
     manager.start()
     try:
         def check():
-            ids = [manager.add_request(p) for p in prompts]
-            for rid, prompt in zip(ids, prompts):
-                assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(model, prompt, 6)
+            assert_equals_generate(manager, model, prompts, 6)
 
         check()
         assert packed_calls, "no step ran on the prepacked weights"
@@ -265,9 +270,7 @@ def test_panel_weights_are_packed_at_the_first_batch_and_follow_weight_updates(m
     manager.start()
     try:
         def check():
-            ids = [manager.add_request(p) for p in prompts]
-            for rid, prompt in zip(ids, prompts):
-                assert manager.get_result(rid, timeout=60).generated_tokens == reference_generate(model, prompt, 6)
+            assert_equals_generate(manager, model, prompts, 6)
 
         check()
         down = model.model.layers[0].mlp.down_proj
