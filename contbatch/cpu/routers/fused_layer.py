@@ -27,9 +27,9 @@ import torch
 
 from .. import ops
 from ..quant.linear import QuantLinear
+from .linear import HOLDER_OF
 
-# The attribute holding a linear's packed copy (linear_kernels.PackedWeight), per route code.
-HOLDERS = {ops.ROUTED_CODES["onednn"]: "_contbatch_packed", ops.ROUTED_CODES["panel"]: "_contbatch_panel"}
+HOLDERS = {ops.ROUTED_CODES[kernel]: attr for kernel, attr in HOLDER_OF.items()}  # per route code
 
 
 @dataclass(eq=False)

@@ -260,8 +260,10 @@ def _routed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return torch.nn.Linear.forward(self, input)
 
 
-ATTRIBUTES = ("forward", "_contbatch_route", "_contbatch_codes", "_contbatch_packed", "_contbatch_panel",
-              "_contbatch_in_step")
+# The attribute holding a routed layer's packed copy (linear_kernels.PackedWeight), per kernel
+# that packs: `install` sets it, `_routed_forward` and fused_layer.py read it.
+HOLDER_OF = {"onednn": "_contbatch_packed", "panel": "_contbatch_panel"}
+ATTRIBUTES = ("forward", "_contbatch_route", "_contbatch_codes", *HOLDER_OF.values(), "_contbatch_in_step")
 
 
 class LinearRouter(Router):
