@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "decoder_layer.h"
 #include "layer_parts.h"
 #include "vec.h"
 
@@ -28,8 +29,7 @@
 namespace {
 
 using namespace contbatch_vec;
-
-constexpr int64_t kMaxRows = 7;
+using contbatch_layer::kMaxRows;
 
 // One output: the sum of row r against weight row o, plus the bias, stored in the weight's dtype.
 template <typename W>
@@ -282,7 +282,7 @@ std::vector<at::Tensor> small_linears(const at::Tensor& input, at::TensorList we
 }
 
 // The kernels a routed layer can take (cpu/ops.py's `ROUTED_CODES`).
-enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kPanel = 4 };  // decoder_layer.h's codes
+using contbatch_layer::kAten, contbatch_layer::kNative, contbatch_layer::kOneDnn, contbatch_layer::kPanel;
 
 at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
