@@ -46,7 +46,7 @@ def reference_values(m) -> torch.Tensor:
 @pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 256), (200, 128), (208, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 37, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 37, 70, 300])
 def test_kernel_matches_linear_on_dequantized_weights(method, shape, rows):
     out, inp = shape
     torch.manual_seed(rows * 1000 + out)
@@ -69,7 +69,7 @@ def test_kernel_matches_linear_on_dequantized_weights(method, shape, rows):
 
 
 @pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
-@pytest.mark.parametrize("rows", [1, 4, 7, 20])
+@pytest.mark.parametrize("rows", [1, 4, 7, 12, 20, 100])
 def test_linears_of_one_input_in_one_call_equal_each_alone(rows):
     """`quant_linears` (q/k/v or gate/up of a fused layer in one parallel region): every output
     equals `quant_linear`'s on its own weight bit for bit, for mixed formats, with and without bias."""
@@ -85,9 +85,25 @@ def test_linears_of_one_input_in_one_call_equal_each_alone(rows):
         for m, y in zip(layers, got):
             assert y.shape == (1, rows, m.out_features) and y.dtype == dtype
             assert torch.equal(y, m(x))
-    with pytest.raises(RuntimeError, match="1 to 64 rows"):
-        ops.quant_linears(torch.randn(65, 256), [(m.codes, m.scales, m.mins, m.bias, m.fmt.op_bits, m.fmt.group)
+    with pytest.raises(RuntimeError, match="1 to 512 rows"):
+        ops.quant_linears(torch.randn(513, 256), [(m.codes, m.scales, m.mins, m.bias, m.fmt.op_bits, m.fmt.group)
                                                  for m in layers])
+
+
+@pytest.mark.skipif(not native.load()[0], reason="needs the C++ kernels")
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_rows_do_not_depend_on_the_rows_beside_them(method):
+    """From the rows where a call dequantizes a panel at a time (16 for int8, 12 for int4, in
+    the row layout), a row's outputs are the same whatever rows share the call: a request's
+    tokens in a batched step do not depend on the batch."""
+    torch.manual_seed(3)
+    m = QuantLinear(quantize(torch.randn(200, 256), format_for(method, 256)), torch.randn(200))
+    if m.fmt.tiled:
+        pytest.skip("the tiled layout (AVX-512 VNNI) runs its integer kernels at every row count")
+    x = torch.randn(300, 256)
+    whole = m(x)
+    for lo, hi in ((0, 16), (5, 45), (100, 213), (0, 300)):
+        assert torch.equal(m(x[lo:hi]), whole[lo:hi])
 
 
 def test_quantize_round_to_nearest_error_bounds():

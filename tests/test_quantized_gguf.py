@@ -97,4 +97,9 @@ def test_default_gguf_served_quantized_in_bfloat16(default_model):
         logits = model(torch.tensor([[1, 504, 3458, 282]])).logits
         expected = ref(torch.tensor([[1, 504, 3458, 282]])).logits
     assert logits.dtype == torch.bfloat16
-    assert torch.equal(logits[0, -1].float().topk(3).indices, expected[0, -1].topk(3).indices)
+    # bfloat16 activations move every logit (up to 1.13 from float64 over a 128-token prompt,
+    # docs/cpu.md), so the ranks below the first can swap at near-ties: the first token is
+    # compared, and the logits within that rounding's reach
+    got, want = logits[0, -1].float(), expected[0, -1]
+    assert got.argmax() == want.argmax()
+    assert (got - want).abs().max() < 1.5

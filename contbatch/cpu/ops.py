@@ -120,17 +120,17 @@ def quant_tiles_available() -> bool:
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
     """`F.linear` on a packed weight (cpu/quant/format.py's layout), float32 accumulation, for
-    float32 or bfloat16 x [..., in]: up to 64 rows dequantize in registers (one or two rows of
-    int8 apply each group's scale once, to the codes' dot product), more a tile at a time into
-    `at::linear`; a tiled weight (`bits` is the format's `op_bits`) takes integer dot products
+    float32 or bfloat16 x [..., in]: a few rows dequantize in registers (one or two rows of
+    int8 apply each group's scale once, to the codes' dot product), more (from 16 rows of int8,
+    12 of int4) a panel of 32 output features at a time into float32 tiles; a tiled weight (`bits` is the format's `op_bits`) takes integer dot products
     at every row count (csrc/quant_tiles.h). Equals `F.linear(x, quant_dequantize(...), bias)`
     up to float rounding (for tiled weights, within the bound quant_tiles.h states)."""
     return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
 
 
 def quant_linears(x: torch.Tensor, linears: list[tuple]) -> list[torch.Tensor]:
-    """`quant_linear` of several packed weights of one input size on x (1 to 64 rows: the
-    register kernels' range; 512 where every weight is tiled) in one parallel region;
+    """`quant_linear` of several packed weights of one input size on x (1 to 512 rows) in one
+    parallel region;
     `linears` holds (codes, scales, mins, bias, bits, group) each. Every output equals
     `quant_linear`'s bit for bit."""
     codes, scales, mins, biases, bits, groups = (list(t) for t in zip(*linears))

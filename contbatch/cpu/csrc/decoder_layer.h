@@ -12,6 +12,7 @@
 namespace contbatch_layer {
 
 constexpr int64_t kMaxRows = 7;  // rows small_linear_cpu.cpp's kernel takes (ops.py's SMALL_LINEAR_MAX_ROWS)
+constexpr int64_t kQuantCallRows = 512;  // rows quant_linear_cpu.cpp's quant_linears takes (more: one call each)
 // Route codes of a linear (ops.py's ROUTED_CODES and QUANT_CODE), for the layer and routed_linear.
 enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3, kPanel = 4 };
 enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };

@@ -129,9 +129,8 @@ at::Tensor linear(const at::Tensor& x, int64_t index, const Layer& layer, const 
 }
 
 // Linears of one input (q/k/v; gate/up): in one parallel region where all of them take our
-// few-row float kernel at this row count, or all are packed and the rows few (small_linears,
-// quant_linears: the same outputs bit for bit, one fork and join instead of one per linear),
-// else one by one.
+// few-row float kernel at this row count, or all are packed (small_linears, quant_linears: the
+// same outputs bit for bit, one fork and join instead of one per linear), else one by one.
 std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64_t> indices, const Layer& layer,
                                 const Step& step) {
   static const auto many =
@@ -146,7 +145,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64
                                          at::IntArrayRef)>();
   const int64_t rows = x.numel() / x.size(-1);
   const int64_t regime = rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2;
-  bool native = true, quant = regime < 2;
+  bool native = true, quant = rows <= kQuantCallRows;
   for (const int64_t index : indices) {
     native = native && layer.codes[3 * index + regime] == kNative;
     quant = quant && layer.codes[3 * index + regime] == kQuant;

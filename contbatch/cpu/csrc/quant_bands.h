@@ -376,26 +376,28 @@ inline BandFn pick(int64_t rows) {
   return table[rows - 1];
 }
 
-// Rows [begin, end) dequantized into w (float32 [end - begin, in]): the vector kernels' values
-// (the same product and sum, one rounding each), stored.
+// Block b of row o's 32 dequantized weights stored at out[0..31]: the vector kernels' values
+// (the same product and sum, one rounding each).
+inline void store_block(const Packed& p, int64_t o, int64_t b, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 lo, hi;
+  block_vec(p, o, b, lo, hi);
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
+#elif defined(CONTBATCH_VEC_AVX2)
+  __m256 v[4];
+  block_vec(p, o, b, v);
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, v[k]);
+#else
+  block_scalar(p, o, b, out);
+#endif
+}
+
+// Rows [begin, end) dequantized into w (float32 [end - begin, in]).
 inline void store_rows(const Packed& packed, int64_t begin, int64_t end, float* w) {
   in_pieces(packed, begin, end, [&](const Packed& p, int64_t b0, int64_t b1) {
     for (int64_t o = b0; o < b1; ++o)
-      for (int64_t b = 0; b < p.in / kBlock; ++b) {
-        float* out = w + (o - begin) * p.in + b * kBlock;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 lo, hi;
-        block_vec(p, o, b, lo, hi);
-        _mm512_storeu_ps(out, lo);
-        _mm512_storeu_ps(out + 16, hi);
-#elif defined(CONTBATCH_VEC_AVX2)
-        __m256 v[4];
-        block_vec(p, o, b, v);
-        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, v[k]);
-#else
-        block_scalar(p, o, b, out);
-#endif
-      }
+      for (int64_t b = 0; b < p.in / kBlock; ++b) store_block(p, o, b, w + (o - begin) * p.in + b * kBlock);
   });
 }
 

@@ -8,8 +8,9 @@
 //         GGUF blocks are copied in as they are); w = code * scale + min
 //   scales, mins: float16 [O, I / group] (ggml's block fields as they are); group is a multiple
 //         of 32 dividing I.
-// Every weight is rebuilt in registers as the dequantized float32 value exactly (one rounded
-// product, then one rounded sum: the library is built with -ffp-contract=off), so the output
+// Every weight is rebuilt (in registers, or in a panel buffer) as the dequantized float32 value
+// exactly (one rounded product, then one rounded sum: the library is built with
+// -ffp-contract=off), so the output
 // differs from F.linear on the dequantized weight by the summation order only; except one or
 // two rows of int8 weights (a lone request decoding), where each group's scale multiplies the
 // codes' dot product with x once instead of every code: one product fewer per weight, read from
@@ -21,37 +22,39 @@
 //
 // One to seven rows (decode) read each code once and multiply it into every row while it is
 // in registers: the layer reads a quarter (int8) or an eighth (int4) of the float32 bytes.
-// Up to kChunkedRows rows run the same kernels seven rows at a time over small bands of
-// output features (the codes then come from L1 for every chunk after the first). More rows
-// (prompts) dequantize a band of output features at a time into a float32 tile and hand it to
-// oneDNN's linear: there the arithmetic, not the weight read, bounds the time.
+// A few more (up to panel_rows) run the same kernels seven rows at a time over small bands of
+// output features (the codes then come from L1 for every chunk after the first). From
+// panel_rows on, a panel of 32 output features at a time is dequantized once for all the rows
+// and multiplied by them in the float32 panel tiles (quant_panels.h): there the arithmetic,
+// not the weight read, bounds the time, and a weight rebuilt once per chunk of seven rows cost
+// more than the products (docs/cpu.md). More than kCallRows rows are split into calls of
+// kCallRows, for either layout.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
-#include <string_view>
 #include <vector>
 
+#include "decoder_layer.h"
 #include "layer_parts.h"
 #include "quant_bands.h"
+#include "quant_panels.h"
 #include "quant_tiles.h"
 
 namespace {
 
 using namespace contbatch_quant;
 
-constexpr int64_t kTileBytes = 4 << 20;  // float32 tile of the prompt path
-// Up to this many rows, the register kernels in chunks of kMaxRows beat dequantizing into a
-// GEMM (measured per layer of the default model: docs/cpu.md)
-constexpr int64_t kChunkedRows = 64;
-// Tiled weights take the integer kernels at every row count, this many rows a call: they beat
-// dequantizing into oneDNN's GEMM at 128-512 rows too (docs/cpu.md), and x's digits stay small.
-constexpr int64_t kTiledRows = 512;
+// Rows of a few_rows call (decoder_layer.h's kQuantCallRows): more are split into calls of this
+// many (x's digits of the tiled layout and the panel path's rows stay small).
+constexpr int64_t kCallRows = contbatch_layer::kQuantCallRows;
 constexpr int64_t kSubBand = 16;  // output features whose codes the row chunks share from L1
+// From this many rows a row-layout weight runs the panel tiles (quant_panels.h): below, the
+// chunks of seven rows beat them (measured per the default model's layers: docs/cpu.md).
+inline int64_t panel_rows(const Packed& p) { return p.bits == 8 ? 16 : 12; }
 constexpr int64_t kUnitsPerThread = 8;  // units of output features per thread and call, many rows (few_rows)
 
 
@@ -177,9 +180,9 @@ struct XDigits {};
 void band_of_linears(const std::vector<Packed>& ps, const float* const* bias, float* const* y, const int64_t* first,
                      [[maybe_unused]] const XDigits* xd, const float* xp, int64_t rows, int64_t begin, int64_t end) {
   const int64_t n = static_cast<int64_t>(ps.size()), in = ps[0].in;
-  // More than kMaxRows rows: in chunks of at most kMaxRows (as even as they go), every chunk
-  // over a sub-band of kSubBand output features before the next sub-band, so that the codes
-  // are read from memory once and from L1 by the other chunks.
+  // More than kMaxRows rows and fewer than panel_rows: in chunks of at most kMaxRows (as even
+  // as they go), every chunk over a sub-band of kSubBand output features before the next
+  // sub-band, so that the codes are read from memory once and from L1 by the other chunks.
   const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t sub_band = chunks == 1 ? first[n] : kSubBand;
   for (int64_t i = 0; i < n; ++i) {
@@ -191,6 +194,10 @@ void band_of_linears(const std::vector<Packed>& ps, const float* const* bias, fl
       continue;
     }
 #endif
+    if (rows >= panel_rows(ps[i])) {
+      if (lo < hi) panel_band(ps[i], xp, rows, bias[i], y[i], ps[i].out, lo, hi);
+      continue;
+    }
     for (int64_t s = lo; s < hi; s += sub_band)
       for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
         const int64_t r = (rows - r0) / (chunks - c);
@@ -200,7 +207,7 @@ void band_of_linears(const std::vector<Packed>& ps, const float* const* bias, fl
   }
 }
 
-// Packed linears of one input x (1 to kMaxRows rows) in one parallel region: each output
+// Packed linears of one input x (1 to kCallRows rows) in one parallel region: each output
 // feature is computed by the same band function as quant_linear's, so every output equals
 // quant_linear's on that weight bit for bit; one fork and join instead of one per linear.
 std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Packed>& ps,
@@ -208,8 +215,7 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   const int64_t in = ps[0].in, rows = input.numel() / in, n = static_cast<int64_t>(ps.size());
   const bool all_tiled = std::all_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
   [[maybe_unused]] const bool any_tiled = std::any_of(ps.begin(), ps.end(), [](const Packed& p) { return p.tiled; });
-  const int64_t most = all_tiled ? std::max(kTiledRows, kChunkedRows) : kChunkedRows;
-  TORCH_CHECK(rows >= 1 && rows <= most, "quant_linears takes 1 to ", most, " rows, got ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= kCallRows, "quant_linears takes 1 to ", kCallRows, " rows, got ", rows);
   // float32 x for the row layout's kernels; tiled weights read bfloat16 x as it is (make_digits)
   const bool bf16_digits = all_tiled && input.scalar_type() == at::kBFloat16;
   const at::Tensor x = input.reshape({rows, in}).to(bf16_digits ? at::kBFloat16 : at::kFloat).contiguous();
@@ -280,61 +286,20 @@ std::vector<at::Tensor> quant_linears(const at::Tensor& input, at::TensorList co
   return few_rows(input, ps, bs);
 }
 
-// The calling thread's float32 tile of the prompt path, at least `floats` long. Kept from call
-// to call: a tile allocated per call is fresh memory, and its page faults cost more than
-// dequantizing into it.
-float* tile_buffer(int64_t floats) {
-  static thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer.data();
-}
-
-// x [rows, in] times a dequantized tile [n, in] (+ bias): oneDNN's linear on the plain weight
-// where PyTorch has it (faster than at::linear's GEMM on prompt steps: docs/cpu.md), else
-// at::linear.
-at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& tile, const at::Tensor& bias) {
-  static const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  static const bool use = op.has_value() && at::hasMKLDNN();
-  if (!use) return at::linear(x, tile, bias.defined() ? bias : at::Tensor());
-  static const auto linear =
-      op->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
-                           c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
-  return linear.call(x, tile, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, "none",
-                     c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
-}
-
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
                         int64_t group) {
   const Packed p = check(codes, scales, mins, bits, group, "quant_linear");
   check_input(input, p.in, "quant_linear");
   const int64_t out = codes.size(0), rows = input.numel() / p.in;
-  if (p.tiled && rows > kTiledRows) {  // the integer kernels, kTiledRows rows a call
-    const at::Tensor x = input.reshape({rows, p.in}), b = float_bias(bias, out, "quant_linear");
-    std::vector<at::Tensor> parts;
-    for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows)
-      parts.push_back(few_rows(x.narrow(0, r0, std::min(kTiledRows, rows - r0)), {p}, {b})[0]);
-    return shaped(at::cat(parts, 0), input);
-  }
-  if (rows >= 1 && rows <= (p.tiled ? kTiledRows : kChunkedRows))
-    return few_rows(input, {p}, {float_bias(bias, out, "quant_linear")})[0];
-  const at::Tensor x = input.reshape({rows, p.in}).to(at::kFloat).contiguous();
   const at::Tensor b = float_bias(bias, out, "quant_linear");
-  const bool has_bias = b.defined();
-  if (rows == 0) return shaped(at::empty({0, out}, x.options()), input);
-  const int64_t tile_rows = std::max<int64_t>(16, std::min<int64_t>(out, kTileBytes / 4 / p.in));
-  const at::Tensor tile = at::from_blob(tile_buffer(tile_rows * p.in), {tile_rows, p.in}, x.options());
-  if (tile_rows == out) {  // the whole weight in one tile: the product is the output
-    dequantize_rows(p, 0, out, tile.data_ptr<float>());
-    return shaped(tile_linear(x, tile, b), input);
-  }
-  at::Tensor y = at::empty({rows, out}, x.options());
-  for (int64_t o = 0; o < out; o += tile_rows) {
-    const int64_t n = std::min(tile_rows, out - o);
-    dequantize_rows(p, o, o + n, tile.data_ptr<float>());
-    y.narrow(1, o, n).copy_(tile_linear(x, tile.narrow(0, 0, n), has_bias ? b.narrow(0, o, n) : at::Tensor()));
-  }
-  return shaped(y, input);
+  if (rows == 0) return shaped(at::empty({0, out}, input.options().dtype(at::kFloat)), input);
+  if (rows <= kCallRows) return few_rows(input, {p}, {b})[0];
+  const at::Tensor x = input.reshape({rows, p.in});
+  std::vector<at::Tensor> parts;
+  for (int64_t r0 = 0; r0 < rows; r0 += kCallRows)
+    parts.push_back(few_rows(x.narrow(0, r0, std::min(kCallRows, rows - r0)), {p}, {b})[0]);
+  return shaped(at::cat(parts, 0), input);
 }
 
 // Whether this build has the tiled layout's integer kernels (AVX-512 VNNI).

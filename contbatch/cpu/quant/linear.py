@@ -2,9 +2,10 @@
 
 It replaces an `nn.Linear` in the model (setup/quantize.py does the swap) and computes
 `F.linear(x, W, b)` with W the packed weight's dequantized float32 values, float32
-accumulation. On a CPU with our C++ library every call runs `ops.quant_linear`: up to 64 rows
-(decoding) dequantize in registers, reading only the packed bytes; more rows (prompts)
-dequantize a tile of output features at a time into a float32 GEMM. Why ours rather than
+accumulation. On a CPU with our C++ library every call runs `ops.quant_linear`: a few rows
+(decoding) dequantize in registers, reading only the packed bytes; more rows (batched steps,
+prompts) dequantize a panel of output features at a time, once for all the rows, into float32
+register tiles. Why ours rather than
 PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`: measured in
 benchmarks/quantized.py (docs/cpu.md has the figures): with float32 activations the aten ops
 were several times slower than a float32 linear, and with bfloat16 activations their output
