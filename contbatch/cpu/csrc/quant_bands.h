@@ -212,111 +212,7 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 }
 #define CONTBATCH_QUANT_INT4_STREAMS 1
 #elif defined(CONTBATCH_VEC_AVX2)
-
-// Block b of row o as four 8-lane vectors (inputs 0-7, 8-15, 16-23, 24-31).
-inline void block_vec(const Packed& p, int64_t o, int64_t b, __m256 (&w)[4]) {
-  const int64_t g = b * kBlock / p.group;
-  const __m256 s = _mm256_set1_ps(p.scale(o, g));
-  if (p.bits == 8) {
-    const uint8_t* c = p.codes + o * p.in + b * kBlock;
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k));
-      w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s);
-    }
-  } else {
-    const __m256 m = _mm256_set1_ps(p.min(o, g));
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + o * p.row_bytes() + b * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k)
-      w[k] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), s), m);
-  }
-}
-
-template <int R>
-void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
-                int64_t end) {
-  const int64_t blocks = p.in / kBlock;
-  constexpr int A = R <= 2 ? 4 : 2;  // accumulators per row: A x R + 4 weight vectors <= 16 registers
-  for (int64_t o = begin; o < end; ++o) {
-    __m256 a[R][A];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < A; ++k) a[r][k] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 w[4];
-      block_vec(p, o, b, w);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k)
-          a[r][k % A] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + r * p.in + b * kBlock + 8 * k), a[r][k % A]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m256 t = a[r][0];
-      for (int k = 1; k < A; ++k) t = _mm256_add_ps(t, a[r][k]);
-      const float sum = hsum8(t);
-      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
-    }
-  }
-}
-
-// One or two rows of int8 weights, O output features at a time: over the groups, scale x
-// (codes . x). The codes meet x unscaled and each group's scale is applied once, which saves
-// the per-weight product that bounds the exact kernel at one or two rows; the weights are then
-// not rebuilt exactly, so the result differs from F.linear on the dequantized weight by float
-// rounding. The O output features are `stride` apart: each of the O streams of codes is read
-// in order from memory across calls (adjacent rows read interleaved defeat the hardware
-// prefetcher when the weights come from DRAM).
-template <int R, int O>
-void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
-                  int64_t stride) {
-  const int64_t groups = p.groups(), per_group = p.group / kBlock;
-  __m256 acc[O][R];
-#pragma GCC unroll 8
-  for (int q = 0; q < O; ++q)
-    for (int r = 0; r < R; ++r) acc[q][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 t[O][R][2];
-#pragma GCC unroll 8
-    for (int q = 0; q < O; ++q)
-      for (int r = 0; r < R; ++r) t[q][r][0] = t[q][r][1] = _mm256_setzero_ps();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-#pragma GCC unroll 4
-      for (int q = 0; q < O; ++q) {
-        const uint8_t* c = p.codes + (o0 + q * stride) * p.in + b * kBlock;
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          const __m256 w =
-              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k))));
-#pragma GCC unroll 2
-          for (int r = 0; r < R; ++r)
-            t[q][r][k & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * p.in + b * kBlock + 8 * k), t[q][r][k & 1]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < O; ++q) {
-      const __m256 scale = _mm256_set1_ps(p.scale(o0 + q * stride, g));
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r)
-        acc[q][r] = _mm256_fmadd_ps(_mm256_add_ps(t[q][r][0], t[q][r][1]), scale, acc[q][r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int q = 0; q < O; ++q)
-    for (int r = 0; r < R; ++r) {
-      const float sum = hsum8(acc[q][r]);
-      const int64_t o = o0 + q * stride;
-      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
-    }
-}
-
-constexpr int kInt8Streams = 2;  // at two rows: O x R x 3 accumulators + 4 code vectors in 16 registers
+#include "quant_bands_avx2.h"
 #else
 template <int R>
 void exact_band(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
@@ -337,8 +233,8 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 
 // Output features [begin, end) against R rows of x (float32 [R, I]). One or two rows of int8
 // weights take the vector int8_outputs, several output features at a time, each from its own
-// stretch of the band (int4 weights the same way through exact_outputs, with AVX-512); the
-// rest take the exact kernel.
+// stretch of the band (int4 weights the same way, through exact_outputs with AVX-512 and
+// int4_outputs with AVX2); the rest take the exact kernel.
 template <int R>
 void piece(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
            int64_t end) {
@@ -357,6 +253,12 @@ void piece(const Packed& p, const float* x, const float* bias, float* y, int64_t
     for (int64_t o = begin; o < begin + stride; ++o) exact_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
     exact_band<R>(p, x, bias, y, out_stride, begin + O * stride, end);
     return;
+#else
+    constexpr int O = R == 1 ? 4 : kInt8Streams;
+    const int64_t stride = (end - begin) / O;
+    for (int64_t o = begin; o < begin + stride; ++o) int4_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
+    for (int64_t o = begin + O * stride; o < end; ++o) int4_outputs<R, 1>(p, x, bias, y, out_stride, o, 0);
+    return;
 #endif
   }
 #endif
@@ -374,31 +276,6 @@ using BandFn = void (*)(const Packed&, const float*, const float*, float*, int64
 inline BandFn pick(int64_t rows) {
   static const BandFn table[kMaxRows] = {band<1>, band<2>, band<3>, band<4>, band<5>, band<6>, band<7>};
   return table[rows - 1];
-}
-
-// Block b of row o's 32 dequantized weights stored at out[0..31]: the vector kernels' values
-// (the same product and sum, one rounding each).
-inline void store_block(const Packed& p, int64_t o, int64_t b, float* out) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 lo, hi;
-  block_vec(p, o, b, lo, hi);
-  _mm512_storeu_ps(out, lo);
-  _mm512_storeu_ps(out + 16, hi);
-#elif defined(CONTBATCH_VEC_AVX2)
-  __m256 v[4];
-  block_vec(p, o, b, v);
-  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, v[k]);
-#else
-  block_scalar(p, o, b, out);
-#endif
-}
-
-// Rows [begin, end) dequantized into w (float32 [end - begin, in]).
-inline void store_rows(const Packed& packed, int64_t begin, int64_t end, float* w) {
-  in_pieces(packed, begin, end, [&](const Packed& p, int64_t b0, int64_t b1) {
-    for (int64_t o = b0; o < b1; ++o)
-      for (int64_t b = 0; b < p.in / kBlock; ++b) store_block(p, o, b, w + (o - begin) * p.in + b * kBlock);
-  });
 }
 
 }  // namespace contbatch_quant

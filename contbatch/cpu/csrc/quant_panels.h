@@ -1,7 +1,8 @@
-// A packed weight (the row layout) against a batch of rows, a panel at a time (included by
-// quant_linear_cpu.cpp only): kPanel output features are dequantized into the calling thread's
-// buffer in panel_tile.h's layout ([in, kPanel], the exact code x scale (+ min) values that
-// store_block makes), and every block of rows then runs the float32 panel tiles against it.
+// A packed weight (the row layout) dequantized into float32 (included by quant_linear_cpu.cpp
+// only): rows of it (store_rows: quant_dequantize, quant_rows), and, against a batch of rows, a
+// panel at a time: kPanel output features are dequantized into the calling thread's buffer in
+// panel_tile.h's layout ([in, kPanel], the exact code x scale (+ min) values that store_block
+// makes), and every block of rows then runs the float32 panel tiles against it.
 //
 // Why: the register kernels of quant_bands.h rebuild a weight once per chunk of seven rows and
 // load an x value for every product; with tens of rows that arithmetic, not the weight read,
@@ -29,6 +30,31 @@ namespace contbatch_quant {
 
 using contbatch_panel::kPanel;
 using contbatch_panel::kTileRows;
+
+// Block b of row o's 32 dequantized weights stored at out[0..31]: the vector kernels' values
+// (the same product and sum, one rounding each).
+inline void store_block(const Packed& p, int64_t o, int64_t b, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 lo, hi;
+  block_vec(p, o, b, lo, hi);
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
+#elif defined(CONTBATCH_VEC_AVX2)
+  __m256 v[4];
+  block_vec(p, o, b, v);
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, v[k]);
+#else
+  block_scalar(p, o, b, out);
+#endif
+}
+
+// Rows [begin, end) dequantized into w (float32 [end - begin, in]).
+inline void store_rows(const Packed& packed, int64_t begin, int64_t end, float* w) {
+  in_pieces(packed, begin, end, [&](const Packed& p, int64_t b0, int64_t b1) {
+    for (int64_t o = b0; o < b1; ++o)
+      for (int64_t b = 0; b < p.in / kBlock; ++b) store_block(p, o, b, w + (o - begin) * p.in + b * kBlock);
+  });
+}
 
 // dst[k * kPanel + j] = src[j * kBlock + k] for the kBlock x kBlock block src (output j's 32
 // inputs in row j) into a panel's kBlock columns.
