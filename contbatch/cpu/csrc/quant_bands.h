@@ -233,8 +233,8 @@ void exact_band(const Packed& p, const float* x, const float* bias, float* y, in
 
 // Output features [begin, end) against R rows of x (float32 [R, I]). One or two rows of int8
 // weights take the vector int8_outputs, several output features at a time, each from its own
-// stretch of the band (int4 weights the same way, through exact_outputs with AVX-512 and
-// int4_outputs with AVX2); the rest take the exact kernel.
+// stretch of the band (int4 weights the same way through exact_outputs, with AVX-512); the
+// rest take the exact kernel.
 template <int R>
 void piece(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t begin,
            int64_t end) {
@@ -252,12 +252,6 @@ void piece(const Packed& p, const float* x, const float* bias, float* y, int64_t
     const int64_t stride = (end - begin) / O;
     for (int64_t o = begin; o < begin + stride; ++o) exact_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
     exact_band<R>(p, x, bias, y, out_stride, begin + O * stride, end);
-    return;
-#else
-    constexpr int O = R == 1 ? 4 : kInt8Streams;
-    const int64_t stride = (end - begin) / O;
-    for (int64_t o = begin; o < begin + stride; ++o) int4_outputs<R, O>(p, x, bias, y, out_stride, o, stride);
-    for (int64_t o = begin + O * stride; o < end; ++o) int4_outputs<R, 1>(p, x, bias, y, out_stride, o, 0);
     return;
 #endif
   }

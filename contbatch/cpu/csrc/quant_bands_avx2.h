@@ -1,7 +1,7 @@
 // quant_bands.h's kernels on AVX2 machines without AVX-512 (included there only, inside
 // namespace contbatch_quant): a block's weights as four 8-lane vectors (`block_vec`), the exact
-// kernel (`exact_band`), and one or two rows' kernels that meet x with the codes unscaled
-// (`int8_outputs`, `int4_outputs`).
+// kernel (`exact_band`), and the kernel of one or two rows of int8 weights that meets x with
+// the codes unscaled (`int8_outputs`).
 
 // Block b of row o as four 8-lane vectors (inputs 0-7, 8-15, 16-23, 24-31).
 inline void block_vec(const Packed& p, int64_t o, int64_t b, __m256 (&w)[4]) {
@@ -107,59 +107,3 @@ void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, 
 }
 
 constexpr int kInt8Streams = 2;  // at two rows: O x R x 3 accumulators + 4 code vectors in 16 registers
-
-// One or two rows of int4 weights, O output features `stride` apart, as int8_outputs: over the
-// groups, scale x (codes . x) + min x (the group's sum of x), the codes meeting x unscaled (the
-// group's x sums made once for the O outputs). Two operations per weight fewer than rebuilding
-// each weight, at the cost of float rounding (as int8_outputs).
-template <int R, int O>
-void int4_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
-                  int64_t stride) {
-  const int64_t groups = p.groups(), per_group = p.group / kBlock, row_bytes = p.row_bytes();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 acc[O][R];
-#pragma GCC unroll 8
-  for (int q = 0; q < O; ++q)
-    for (int r = 0; r < R; ++r) acc[q][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 t[O][R], xs[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      xs[r] = _mm256_setzero_ps();
-      for (int q = 0; q < O; ++q) t[q][r] = _mm256_setzero_ps();
-    }
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      const float* xb = x + b * kBlock;
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r)
-        xs[r] = _mm256_add_ps(xs[r], _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb + r * p.in), _mm256_loadu_ps(xb + r * p.in + 8)),
-                                                   _mm256_add_ps(_mm256_loadu_ps(xb + r * p.in + 16), _mm256_loadu_ps(xb + r * p.in + 24))));
-#pragma GCC unroll 4
-      for (int q = 0; q < O; ++q) {
-        const __m128i raw =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + (o0 + q * stride) * row_bytes + b * 16));
-        const __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
-#pragma GCC unroll 2
-          for (int r = 0; r < R; ++r) t[q][r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + r * p.in + 8 * k), t[q][r]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < O; ++q) {
-      const __m256 scale = _mm256_set1_ps(p.scale(o0 + q * stride, g)), min = _mm256_set1_ps(p.min(o0 + q * stride, g));
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) acc[q][r] = _mm256_fmadd_ps(xs[r], min, _mm256_fmadd_ps(t[q][r], scale, acc[q][r]));
-    }
-  }
-#pragma GCC unroll 4
-  for (int q = 0; q < O; ++q)
-    for (int r = 0; r < R; ++r) {
-      const float sum = hsum8(acc[q][r]);
-      const int64_t o = o0 + q * stride;
-      y[r * out_stride + o] = bias ? sum + bias[o] : sum;
-    }
-}
