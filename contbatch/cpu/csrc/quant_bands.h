@@ -125,8 +125,8 @@ inline void block_vec(const Packed& p, int64_t o, int64_t b, __m512& lo, __m512&
   }
 }
 
-// The AVX2 int8_outputs below, sixteen lanes: O output features `stride` apart, the codes
-// unscaled into x, each group's scale applied once.
+// The AVX2 int8_outputs (quant_bands_avx2.h) in sixteen lanes: O output features `stride`
+// apart, the codes unscaled into x, each group's scale applied once.
 template <int R, int O>
 void int8_outputs(const Packed& p, const float* x, const float* bias, float* y, int64_t out_stride, int64_t o0,
                   int64_t stride) {
