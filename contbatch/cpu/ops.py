@@ -122,17 +122,17 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
     """`F.linear` on a packed weight (cpu/quant/format.py's layout), float32 accumulation, for
     float32 or bfloat16 x [..., in]: a few rows dequantize in registers (one or two rows of
     int8 apply each group's scale once, to the codes' dot product), more (from 16 rows of int8,
-    12 of int4) a panel of 32 output features at a time into float32 tiles; a tiled weight (`bits` is the format's `op_bits`) takes integer dot products
-    at every row count (csrc/quant_tiles.h). Equals `F.linear(x, quant_dequantize(...), bias)`
-    up to float rounding (for tiled weights, within the bound quant_tiles.h states)."""
+    12 of int4) a panel of 32 output features at a time into float32 tiles; a tiled weight
+    (`bits` is the format's `op_bits`) takes integer dot products at every row count
+    (csrc/quant_tiles.h). Equals `F.linear(x, quant_dequantize(...), bias)` up to float
+    rounding (for tiled weights, within the bound quant_tiles.h states)."""
     return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
 
 
 def quant_linears(x: torch.Tensor, linears: list[tuple]) -> list[torch.Tensor]:
     """`quant_linear` of several packed weights of one input size on x (1 to 512 rows) in one
-    parallel region;
-    `linears` holds (codes, scales, mins, bias, bits, group) each. Every output equals
-    `quant_linear`'s bit for bit."""
+    parallel region; `linears` holds (codes, scales, mins, bias, bits, group) each. Every
+    output equals `quant_linear`'s bit for bit."""
     codes, scales, mins, biases, bits, groups = (list(t) for t in zip(*linears))
     return torch.ops.contbatch_cpu.quant_linears(x, codes, scales, mins, biases, bits, groups)
 
