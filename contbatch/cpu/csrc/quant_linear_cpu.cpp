@@ -11,9 +11,10 @@
 // Every weight is rebuilt (in registers, or in a panel buffer) as the dequantized float32 value
 // exactly (one rounded product, then one rounded sum: the library is built with
 // -ffp-contract=off), so the output differs from F.linear on the dequantized weight by the
-// summation order only; except one or two rows of int8 weights (a lone request decoding), where each group's scale multiplies the
-// codes' dot product with x once instead of every code: one product fewer per weight, read from
-// several places of the band at once (int8_outputs), at the cost of float rounding.
+// summation order only; except one or two rows of int8 weights (a lone request decoding),
+// where each group's scale multiplies the codes' dot product with x once instead of every
+// code: one product fewer per weight, read from several places of the band at once
+// (int8_outputs), at the cost of float rounding.
 //
 // Where the library has AVX-512 VNNI, weights with a multiple of 16 output features are
 // tiled (quant_tiles.h) and every row count runs the integer kernels there; the rest of this
