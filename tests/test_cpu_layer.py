@@ -117,6 +117,29 @@ def test_decode_steps_in_one_parallel_region_equal_generate(arch):
         assert got == reference_generate(model, prompt, 10)
 
 
+def test_rows_of_one_request_in_a_parallel_region_read_each_others_keys():
+    """A short prompt runs as decode rows of one request (as do the few tokens after a cached
+    prefix, and draft tokens being verified), each row seeing the keys up to its own position,
+    which other rows write: inside the decode region those keys are written by several threads,
+    and every row waits for all of them (decode_region_cpu.cpp). Short prompts one at a time:
+    the few-row steps pass the bit-for-bit check against the layers' own forward, and the
+    tokens equal `model.generate`'s."""
+    model = make_tiny_model("llama")
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    config = ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "small_linear"})
+    manager = ContinuousBatchingManager(model, gc, config)
+    manager.start()
+    try:
+        for prompt in random_prompts(8, 2, 7, seed=13):
+            (rid,) = manager.add_requests([prompt])
+            assert manager.get_result(rid, timeout=120).generated_tokens == reference_generate(model, prompt, 6)
+        router = _router(manager)
+        checked, enabled = {kind for _, _, kind in router.shared.checked}, router.shared.enabled
+    finally:
+        manager.stop(timeout=30)
+    assert enabled and (1, True, False, False) in checked, checked
+
+
 def test_a_difference_sends_every_layer_back_to_its_own_forward(monkeypatch, caplog):
     """The run-time check is real: a fused layer that computed something else is caught on its
     first call, said loudly, and the manager's layers run their own forward from then on, with

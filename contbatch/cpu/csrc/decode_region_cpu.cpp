@@ -23,6 +23,7 @@
 #include <c10/util/FunctionRef.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <exception>
@@ -123,6 +124,28 @@ bool uniform(const std::vector<Layer>& layers) {
   return true;
 }
 
+// Whether a row attends to a key another row of the step writes: rows of one sequence (a short
+// prompt or a suffix after a cached prefix, draft tokens being verified) run as decode rows.
+// Such a row's keys include the later-written slots of the rows before it, so every key must be
+// written before any row attends. Another sequence's row never writes a block this row reads
+// (a shared block is full), so only blocks that hold the step's positions are looked at: the
+// last ones of each row's table (a row's own position is its last key).
+bool rows_read_each_other(const int64_t* slot, const int32_t* lens, const at::Tensor& table, int64_t tokens,
+                          int64_t block_size) {
+  const int32_t* blocks = table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < tokens; ++r) {
+    const int64_t len = lens[r], last = (len - 1) / block_size;
+    const int64_t first = std::max<int64_t>(0, (len - tokens) / block_size);
+    for (int64_t other = 0; other < tokens; ++other) {
+      if (other == r) continue;
+      const int64_t block = slot[other] / block_size, offset = slot[other] % block_size;
+      for (int64_t j = first; j <= last && j < table.size(1); ++j)
+        if (blocks[r * table.stride(0) + j] == block && j * block_size + offset < len) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& layers, const Step& step) {
@@ -171,7 +194,9 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   contbatch_parts::DecodeSplit split;  // sized for no window: every layer's units fit in it
   split.reserve(contbatch_parts::decode_units(lens, tokens, kv_heads, 0), tokens * kv_heads, group, head_dim);
+  const bool shared_keys = tokens > 1 && rows_read_each_other(slot, lens, table, tokens, step.block_size);
   const auto split_needed = [&](int64_t window) {  // the same answer on every thread
+    if (shared_keys) return true;
     for (int64_t r = 0; r < tokens; ++r)
       if (contbatch_parts::key_chunks(lens[r], window) > 1) return true;
     return false;
@@ -229,8 +254,9 @@ at::Tensor decode_region(const at::Tensor& hidden, const std::vector<Layer>& lay
                       head_dim * sizeof(float));
         }
         // A head with more than one chunk of keys is attended by several threads' units, which
-        // read queries and a key another thread rotated: they wait for every rotation. (One
-        // chunk a head: the units are these tasks, on this thread.)
+        // read queries and a key another thread rotated, and a row of one sequence with others
+        // reads their keys: they wait for every rotation and write. (Otherwise the units are
+        // these tasks, on this thread.)
         if (split_needed(layer.window)) {
 #pragma omp barrier
         }
