@@ -406,6 +406,7 @@ def test_replica_killed_midrun_is_replaced_and_its_requests_fail_clearly(cluster
 
 
 # -- Ray Data -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ray_data_matches_generate_batch_in_order(ray_session, tiny_dir):
     prompts = random_prompts(32, 4, 40, seed=3, vocab=2000)
     too_long = [5] * (CONTEXT + 10)  # refused by the engine: its row carries the error

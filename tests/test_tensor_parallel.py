@@ -219,6 +219,7 @@ def _free_port() -> int:
     return free_port()
 
 
+@pytest.mark.slow
 def test_tp2_server_answers_openai_client_like_tp1(tiny_dir, reference):
     port = _free_port()
     cmd = [sys.executable, "-m", "contbatch.cli", "serve", "--model", str(tiny_dir), "--tensor-parallel-size", "2",
