@@ -117,22 +117,29 @@ def test_decode_steps_in_one_parallel_region_equal_generate(arch):
         assert got == reference_generate(model, prompt, 10)
 
 
-def test_rows_of_one_request_in_a_parallel_region_read_each_others_keys():
+@pytest.mark.parametrize("rows", ["short prompts", "draft tokens"])
+def test_rows_of_one_request_in_a_parallel_region_read_each_others_keys(rows):
     """A short prompt runs as decode rows of one request (as do the few tokens after a cached
     prefix, and draft tokens being verified), each row seeing the keys up to its own position,
     which other rows write: inside the decode region those keys are written by several threads,
-    and every row waits for all of them (decode_region_cpu.cpp). Short prompts one at a time:
-    the few-row steps pass the bit-for-bit check against the layers' own forward, and the
-    tokens equal `model.generate`'s."""
+    and every row waits for all of them (decode_region_cpu.cpp). Requests one at a time, short
+    prompts, or repetitive ones whose n-gram drafts are verified: the few-row steps pass the
+    bit-for-bit check against the layers' own forward, and the tokens equal `model.generate`'s."""
     model = make_tiny_model("llama")
-    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
-    config = ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "small_linear"})
+    new_tokens = 6 if rows == "short prompts" else 16
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    spec = None if rows == "short prompts" else {"method": "ngram", "num_speculative_tokens": 4}
+    config = ContinuousBatchingConfig(block_size=4, cpu_kernel_overrides={"linear": "small_linear"},
+                                      speculative_config=spec)
+    prompts = (random_prompts(8, 2, 7, seed=13) if spec is None
+               else [p * 4 for p in random_prompts(4, 3, 6, seed=17)])
     manager = ContinuousBatchingManager(model, gc, config)
     manager.start()
     try:
-        for prompt in random_prompts(8, 2, 7, seed=13):
+        for prompt in prompts:
             (rid,) = manager.add_requests([prompt])
-            assert manager.get_result(rid, timeout=120).generated_tokens == reference_generate(model, prompt, 6)
+            want = reference_generate(model, prompt, new_tokens)
+            assert manager.get_result(rid, timeout=120).generated_tokens == want
         router = _router(manager)
         checked, enabled = {kind for _, _, kind in router.shared.checked}, router.shared.enabled
     finally:
