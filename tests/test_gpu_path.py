@@ -471,7 +471,7 @@ def _generate_memo(model, prompt: list[int], max_new: int, stop: int) -> list[in
     return _GENERATE_MEMO[key]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     num_blocks=st.sampled_from([16, 24, 200]),

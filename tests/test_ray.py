@@ -179,6 +179,7 @@ def test_front_drain_returns_at_once_when_nothing_is_in_flight():
     assert asyncio.run(drain.drain(30)) == 0 and time.perf_counter() - t0 < 1 and drain.draining
 
 
+@pytest.mark.slow
 def test_first_signal_drains_second_skips_the_drain_teardown_always_runs():
     """`contbatch serve --ray-replicas`'s signal handling, on a stand-in: SIGTERM drains, a second
     signal cuts the drain short, a third during the teardown is ignored; the exit status is 0."""

@@ -540,7 +540,7 @@ def scenario(draw, schedulers=("fifo", "prefill_first"), extras=False, **kw):
     return specs, cfg
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # ---------------------------------------------------------------------------------------------
 # the property tests
