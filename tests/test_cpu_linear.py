@@ -152,11 +152,12 @@ def test_plan_is_probed_logged_and_validated(llama_model, caplog):
     auto = ContinuousBatchingManager(llama_model, config=ContinuousBatchingConfig()).resolved_config.cpu.linear
     shapes = {(m.out_features, m.in_features, "float32") for m in llama_model.modules()
               if isinstance(m, torch.nn.Linear)}
-    for regime in range(3):
+    for regime in range(4):
         assert set(auto.kernels_at(regime)) <= shapes
         assert set(auto.kernels_at(regime).values()) <= {"onednn", "small_linear", "panel"}
     assert "panel" not in auto.kernels_at(0).values()  # one row streams the plain weight
-    assert "4 rows:" in auto.summary and "32 rows:" in auto.summary
+    assert not {"panel", "small_linear"} & set(auto.kernels_at(3).values())  # neither runs prompt chunks
+    assert "4 rows:" in auto.summary and "32 rows:" in auto.summary and "512 rows:" in auto.summary
     assert "probed in" in auto.summary or "reused from" in auto.summary  # the verdict, for the start-up line
     json.dumps(dataclasses.asdict(auto))  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
     double = make_tiny_model("llama").to(torch.float64)
@@ -309,7 +310,7 @@ def test_native_small_linear_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
     """A compiled step's linear picks its kernel by the row count at run time: bit for bit the
-    kernel the route names for one row, 2-7 rows and more (and aten for none)."""
+    kernel the route names for one row, 2-7 rows, 8-256 and more (and aten for none)."""
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(40, 24, generator=gen) - 0.5).to(dtype)
     b = (torch.rand(40, generator=gen) - 0.5).to(dtype)
@@ -317,12 +318,14 @@ def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
     kernels = {"aten": torch.nn.functional.linear, "small_linear": ops.small_linear, "panel": torch.nn.functional.linear}
     if linear_kernels.onednn_available(dtype):
         kernels["onednn"] = linear_kernels.onednn_linear
-    routes = [("small_linear", "small_linear", "aten"), ("aten", "small_linear", "aten"), ("small_linear", "panel", "panel")]
+    routes = [("small_linear", "small_linear", "aten", "aten"), ("aten", "small_linear", "aten", "aten"),
+              ("small_linear", "panel", "panel", "aten")]
     if "onednn" in kernels:
-        routes += [("small_linear", "small_linear", "onednn"), ("onednn", "aten", "onednn"), ("aten", "onednn", "small_linear")]
+        routes += [("small_linear", "small_linear", "onednn", "aten"), ("onednn", "aten", "onednn", "onednn"),
+                   ("aten", "onednn", "small_linear", "onednn"), ("aten", "aten", "panel", "onednn")]
     for route in routes:
         codes = linear_router.routed_codes(route)
-        for rows in (0, 1, 2, 7, 8, 33):
+        for rows in (0, 1, 2, 7, 8, 33, 256, 257):
             x = (torch.rand(1, rows, 24, generator=gen) - 0.5).to(dtype)
             kernel = linear_router.kernel_at(route, rows)
             if kernel == "small_linear" and rows > ops.SMALL_LINEAR_MAX_ROWS:
@@ -331,7 +334,7 @@ def test_routed_linear_runs_the_kernel_its_route_names_for_the_row_count(dtype):
                 continue
             got = torch.ops.contbatch_cpu.routed_linear(x, w, b, *codes)
             assert got.shape == (1, rows, 40) and torch.equal(got, kernels[kernel](x, w, b)), (route, rows)
-    assert linear_router.routed_codes(("upcast", "upcast", "upcast")) is None  # a Python kernel: branches in Python
+    assert linear_router.routed_codes(("upcast",) * 4) is None  # a Python kernel: branches in Python
 
 
 def test_probe_streams_weights_from_memory():
@@ -344,6 +347,22 @@ def test_probe_streams_weights_from_memory():
     assert probe.probe_pool(100, 10_000, torch.bfloat16).tensor.numel() == 10_000
     times = probe.time_kernels(64, 32, 1, pool, ("aten", "onednn"))
     assert set(times) == {"aten", "onednn"} and all(t > 0 for t in times.values())
+
+
+def test_prompt_chunks_have_a_verdict_of_their_own():
+    """Calls of more than PANEL_MAX_ROWS rows (prompt chunks) take a fourth verdict, timed at 512
+    rows among the kernels that run there (never `panel` nor `small_linear`), a vocabulary-sized
+    weight on its first HOT_OUT output features (compute-bound: the same work per feature)."""
+    route = ("small_linear", "panel", "panel", "onednn")
+    assert [linear_router.kernel_at(route, rows) for rows in (0, 1, 7, 8, 256, 257, 4096)] == [
+        "aten", "small_linear", "panel", "panel", "panel", "onednn", "onednn"]
+    assert linear_router.PROBE_ROWS[3] > ops.PANEL_MAX_ROWS
+    assert "panel" not in linear_kernels.available_kernels(torch.float32, linear_router.PROBE_ROWS[3])
+    assert "small_linear" not in linear_kernels.available_kernels(torch.float32, linear_router.PROBE_ROWS[3])
+    if native.load()[0]:
+        assert "panel" in linear_kernels.available_kernels(torch.float32, ops.PANEL_MAX_ROWS)
+    assert probe.timed_shape(49152, 576, 512) == (probe.HOT_OUT, 576)
+    assert probe.timed_shape(49152, 576, 32) == (49152, 576) and probe.timed_shape(1536, 576, 512) == (1536, 576)
 
 
 def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypatch):

@@ -55,12 +55,13 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
 
 def available_kernels(dtype: torch.dtype, rows: int = 1) -> list[str]:
     """The kernels that can compute a product of `rows` rows at `dtype` here, aten first:
-    `small_linear` takes 1-7 rows of float32 or bfloat16, `panel` two rows or more of float32
-    (one row streams the weight, where small_linear reads the plain one), `upcast` 16-bit weights."""
+    `small_linear` takes 1-7 rows of float32 or bfloat16, `panel` 2 to PANEL_MAX_ROWS rows of
+    float32 (one row streams the weight, where small_linear reads the plain one; more rows run
+    aten's GEMM), `upcast` 16-bit weights."""
     ours = native.load()[0]
     return (["aten"] + ["onednn"] * onednn_available(dtype)
             + ["small_linear"] * (ours and dtype != torch.float16 and rows <= SMALL_LINEAR_MAX_ROWS)
-            + ["panel"] * (ours and dtype == torch.float32 and rows > 1)
+            + ["panel"] * (ours and dtype == torch.float32 and 1 < rows <= ops.PANEL_MAX_ROWS)
             + ["upcast"] * (dtype in (torch.bfloat16, torch.float16)))
 
 

@@ -20,6 +20,15 @@ SMALL_LINEAR_MAX_ROWS = 7  # rows `small_linear` takes; more go to another kerne
 ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2, "panel": 4}
 QUANT_CODE = 3  # decoder_stack's route code of a packed linear (cpu/quant/linear.py's QuantLinear)
 PANEL_MAX_ROWS = 256  # rows `panel_linear` computes on its panels; more take aten's GEMM (csrc/panel_linear_cpu.cpp)
+ROW_REGIMES = 4  # a route's kernels, one per row regime (`row_regime`): the codes a linear takes
+
+
+def row_regime(rows: int) -> int:
+    """A linear call's row regime, each with its own kernel per weight shape (routers/linear.py):
+    0 one row (a lone request decoding), 1 two to SMALL_LINEAR_MAX_ROWS (a few requests, a
+    verification run), 2 up to PANEL_MAX_ROWS (a batched decode step), 3 more (prompt chunks,
+    compute-bound, where `panel` does not run). The C++ side's `regime_of` (csrc/decoder_layer.h)."""
+    return 0 if rows <= 1 else 1 if rows <= SMALL_LINEAR_MAX_ROWS else 2 if rows <= PANEL_MAX_ROWS else 3
 
 _argmax_kernel: bool | None = None  # resolved on the first CPU call
 _fakes_registered: list[bool] = []
@@ -92,10 +101,10 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
 
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  codes: tuple[int, int, int]) -> torch.Tensor:
-    """`F.linear` on the kernel `codes` (ROUTED_CODES) names for one row, 2 to SMALL_LINEAR_MAX_ROWS
-    rows and more, chosen by the row count when it runs; bit for bit that kernel's result, except
-    `panel`, which runs aten's linear here (the op has no packed weight)."""
+                  codes: tuple[int, ...]) -> torch.Tensor:
+    """`F.linear` on the kernel `codes` (ROUTED_CODES, one per `row_regime`) names for the call's
+    row count, chosen when it runs; bit for bit that kernel's result, except `panel`, which runs
+    aten's linear here (the op has no packed weight)."""
     return torch.ops.contbatch_cpu.routed_linear(x, weight, bias, *codes)
 
 
@@ -106,7 +115,7 @@ def register_linear_fakes() -> None:
         fake = torch.library.register_fake("contbatch_cpu::small_linear")
         fake(lambda x, w, b: x.new_empty(*x.shape[:-1], w.shape[0]))
         fake = torch.library.register_fake("contbatch_cpu::routed_linear")
-        fake(lambda x, w, b, one, few, many: x.new_empty(*x.shape[:-1], w.shape[0]))
+        fake(lambda x, w, b, one, few, batch, many: x.new_empty(*x.shape[:-1], w.shape[0]))
         _fakes_registered.append(True)
 
 
@@ -187,7 +196,7 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     attention kernels in the order the layer's own forward runs them, so the output is the
     per-module path's bit for bit. The lists hold one layer after the other: `weights` its
     input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]; `biases` and
-    `packed` one per linear (q, k, v, o, gate, up, down; None where it has none); `codes` three
+    `packed` one per linear (q, k, v, o, gate, up, down; None where it has none); `codes` ROW_REGIMES
     ROUTED_CODES per linear; `eps` its norms', in the weights' order; `keys`, `values`, `scales`
     and `windows` one per layer. `decode` is (block_table, kv_lens) of the step's leading
     decode rows or two None, `chunks` (block_table, q_start, q_lens, kv_lens) of its prompt
@@ -197,7 +206,7 @@ def decoder_stack(hidden: torch.Tensor, weights: list[torch.Tensor], biases: lis
     adapter's contribution after its linear, by the hook's own ops. `quant` is three lists,
     one entry per linear: a packed weight's scales, its mins (None for a symmetric format) and,
     two ints a linear, its (bits, group) (None, None and 0, 0 for a float linear); a packed
-    linear has its codes in `weights`, QUANT_CODE as its three codes, and runs `quant_linear` as
+    linear has its codes in `weights`, QUANT_CODE as all its codes, and runs `quant_linear` as
     QuantLinear does. None: no linear is packed."""
     none = [None] * len(biases)
     return torch.ops.contbatch_cpu.decoder_stack(

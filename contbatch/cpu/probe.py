@@ -42,6 +42,7 @@ MIN_STREAM_BYTES = 16 << 20
 HOT_ROWS = 64  # from this many rows a product is timed as compute-bound (see `time_kernels`); the
 # batch regime's 32-row product streams its weights, where the kernels part (docs/cpu.md)
 HOT_BYTES = 8 << 20  # weight copies those products are timed on
+HOT_OUT = 8192  # output features those products are timed on at most (`timed_shape`)
 CLOSE = 1.25  # kernels within this factor of the best get more timed passes (`_best_of`)
 PROBE_VERSION = 2
 FOREIGN_LIMIT = 0.25  # CPUs other processes may keep busy while we probe for the timings to be saved
@@ -233,6 +234,14 @@ def _best_of(fns: dict[str, Callable[[torch.Tensor], object]], weights: dict[str
         for k in close:
             times[k] = min(times[k], _pass(fns[k], weights[k]))
     return times
+
+
+def timed_shape(out_features: int, in_features: int, rows: int) -> tuple[int, int]:
+    """The weight shape a product of `rows` rows is timed on: its own, but for a compute-bound
+    product (HOT_ROWS rows or more) at most HOT_OUT output features. Each output feature is the
+    same work there, so the kernels' ratio holds for the whole weight, and a vocabulary-sized
+    LM head at 512 rows (tens of GFLOP a call) does not stretch a first start's probe."""
+    return (min(out_features, HOT_OUT) if rows >= HOT_ROWS else out_features), in_features
 
 
 def time_kernels(out_features: int, in_features: int, rows: int, pool: ProbePool, kernels: tuple[str, ...],

@@ -51,7 +51,7 @@ bool float_vector(const at::Tensor& w, int64_t n) {
 // float32 norms and caches.
 bool fits(const Layer& layer, int64_t regime, int64_t hidden, int64_t head_dim) {
   for (int64_t i = 0; i < kLinears; ++i) {
-    const int64_t code = layer.codes[3 * i + regime];
+    const int64_t code = layer.codes[kRegimes * i + regime];
     const at::Tensor& w = layer.weights[kWeightOf[i]];
     const std::optional<at::Tensor>& b = layer.biases[i];
     if (layer.lora_a[i].has_value() || (code != kQuant && code != kNative) || w.dim() != 2) return false;
@@ -87,7 +87,7 @@ struct Linears {
     for (const int64_t i : indices) {
       const at::Tensor& w = layer.weights[kWeightOf[i]];
       const std::optional<at::Tensor>& b = layer.biases[i];
-      const bool packed = layer.codes[3 * i + (rows == 1 ? 0 : 1)] == kQuant;
+      const bool packed = layer.codes[kRegimes * i + regime_of(rows)] == kQuant;
       const int64_t out = w.size(0);  // codes [out, in] or (int4: the format word's low byte 4) [out, in / 2]
       const int64_t w_in = packed && (layer.quant_formats[2 * i] & 255) == 4 ? 2 * w.size(1) : w.size(1);
       TORCH_CHECK(w_in == in && outputs[i].numel() == rows * out, "decode_region: a weight of ", w_in,

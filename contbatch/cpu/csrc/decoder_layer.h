@@ -12,12 +12,18 @@
 namespace contbatch_layer {
 
 constexpr int64_t kMaxRows = 7;  // rows small_linear_cpu.cpp's kernel takes (ops.py's SMALL_LINEAR_MAX_ROWS)
+constexpr int64_t kPanelMaxRows = 256;  // rows panel_linear_cpu.cpp computes on its panels (ops.py's PANEL_MAX_ROWS)
+constexpr int64_t kRegimes = 4;  // route codes per linear, one per row regime (`regime_of`)
 constexpr int64_t kQuantCallRows = 512;  // rows quant_linear_cpu.cpp's quant_linears takes (more: one call each)
 // Route codes of a linear (ops.py's ROUTED_CODES and QUANT_CODE), for the layer and routed_linear.
 enum Kernel : int64_t { kAten = 0, kOneDnn = 1, kNative = 2, kQuant = 3, kPanel = 4 };
 enum Weight : int64_t { kInNorm = 0, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kQNorm, kKNorm };
 constexpr int64_t kLinears = 7;
 constexpr int64_t kWeightOf[kLinears] = {kQ, kK, kV, kO, kGate, kUp, kDown};  // each linear's weight
+
+// A call's row regime, the index of its kernel in a linear's codes (ops.py's row_regime): one row,
+// two to kMaxRows, up to kPanelMaxRows (a batched decode step), more (prompt chunks).
+inline int64_t regime_of(int64_t rows) { return rows <= 1 ? 0 : rows <= kMaxRows ? 1 : rows <= kPanelMaxRows ? 2 : 3; }
 
 inline c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -26,7 +32,7 @@ struct Layer {
   at::ArrayRef<at::Tensor> weights;        // 9 or 11, in decoder_layer_cpu.cpp's order
   const std::optional<at::Tensor>* biases;  // one per linear
   const std::optional<at::Tensor>* packed;  // one per linear
-  at::ArrayRef<int64_t> codes;              // three per linear
+  at::ArrayRef<int64_t> codes;              // kRegimes per linear
   at::ArrayRef<double> eps;                 // one per norm
   const at::Tensor& key_cache;
   const at::Tensor& value_cache;

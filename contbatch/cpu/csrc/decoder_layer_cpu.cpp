@@ -15,7 +15,7 @@
 // Layout of the arguments (cpu/routers/fused_layer.py builds them), each list one layer after the other:
 //   weights: input norm, q, k, v, o, post-attention norm, gate, up, down[, q norm, k norm]
 //   biases, packed: one per linear (q, k, v, o, gate, up, down), None where it has none
-//   codes: the linears' routes, three kernel codes each (small_linear_cpu.cpp's routed_linear)
+//   codes: the linears' routes, kRegimes kernel codes each (small_linear_cpu.cpp's routed_linear)
 //   eps: the norms' epsilons, in the weights' order
 //   key_caches, value_caches, scales, windows: one per layer
 //   lora_a, lora_bt: one per linear, None where no adapter of the step applies to it; with
@@ -101,7 +101,7 @@ at::Tensor linear_only(const at::Tensor& x, int64_t index, const Layer& layer) {
   const at::Tensor& weight = layer.weights[kWeightOf[index]];
   const std::optional<at::Tensor>& bias = layer.biases[index];
   const int64_t rows = x.numel() / x.size(-1);
-  const int64_t kernel = layer.codes[3 * index + (rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2)];
+  const int64_t kernel = layer.codes[kRegimes * index + regime_of(rows)];
   if (kernel == kNative) return small.call(x, weight, bias);
   if (kernel == kPanel) {
     TORCH_CHECK(layer.packed[index].has_value(), "decoder_stack: a panel linear without its packed weight");
@@ -144,11 +144,11 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<int64
                                          const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef,
                                          at::IntArrayRef)>();
   const int64_t rows = x.numel() / x.size(-1);
-  const int64_t regime = rows == 1 ? 0 : rows <= kMaxRows ? 1 : 2;
+  const int64_t regime = regime_of(rows);
   bool native = true, quant = rows <= kQuantCallRows;
   for (const int64_t index : indices) {
-    native = native && layer.codes[3 * index + regime] == kNative;
-    quant = quant && layer.codes[3 * index + regime] == kQuant;
+    native = native && layer.codes[kRegimes * index + regime] == kNative;
+    quant = quant && layer.codes[kRegimes * index + regime] == kQuant;
   }
   std::vector<at::Tensor> out;
   if (!native && !quant) {
@@ -315,17 +315,17 @@ at::Tensor run_stack(const at::Tensor& hidden, const StackView& v, const Step& s
   const int64_t norms = per_layer == 11 ? 4 : 2;
   TORCH_CHECK((per_layer == 9 || per_layer == 11) && static_cast<int64_t>(v.weights.size()) == per_layer * layers,
               "decoder_stack: 9 or 11 weights per layer");
-  TORCH_CHECK(v.linears == kLinears * layers && static_cast<int64_t>(v.codes.size()) == 3 * kLinears * layers &&
+  TORCH_CHECK(v.linears == kLinears * layers && static_cast<int64_t>(v.codes.size()) == kRegimes * kLinears * layers &&
                   static_cast<int64_t>(v.eps.size()) == norms * layers &&
                   static_cast<int64_t>(v.quant_formats.size()) == 2 * kLinears * layers,
-              "decoder_stack: per linear a bias, packed weight, LoRA factors, (bits, group) and three routes; "
+              "decoder_stack: per linear a bias, packed weight, LoRA factors, (bits, group) and a route per row regime; "
               "one epsilon per norm");
   check_step(hidden, step);
   for (int64_t i = 0; i < kLinears * layers; ++i) {
     const int64_t layer = i / kLinears, linear = i % kLinears;
     bool any = false, all = true;
-    for (int64_t r = 0; r < 3; ++r) {
-      const bool q = v.codes[layer * 3 * kLinears + 3 * linear + r] == kQuant;
+    for (int64_t r = 0; r < kRegimes; ++r) {
+      const bool q = v.codes[(layer * kLinears + linear) * kRegimes + r] == kQuant;
       any = any || q;
       all = all && q;
     }
@@ -338,7 +338,7 @@ at::Tensor run_stack(const at::Tensor& hidden, const StackView& v, const Step& s
   std::vector<Layer> each;
   for (int64_t i = 0; i < layers; ++i)
     each.push_back(Layer{v.weights.slice(i * per_layer, per_layer), v.biases + i * kLinears,
-                         v.packed + i * kLinears, v.codes.slice(i * 3 * kLinears, 3 * kLinears),
+                         v.packed + i * kLinears, v.codes.slice(i * kRegimes * kLinears, kRegimes * kLinears),
                          v.eps.slice(i * norms, norms), v.key_caches[i], v.value_caches[i], v.scales[i], v.windows[i],
                          v.lora_a + i * kLinears, v.lora_bt + i * kLinears, v.quant_scales + i * kLinears,
                          v.quant_mins + i * kLinears, v.quant_formats.slice(i * 2 * kLinears, 2 * kLinears)});

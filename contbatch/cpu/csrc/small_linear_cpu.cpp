@@ -283,6 +283,7 @@ std::vector<at::Tensor> small_linears(const at::Tensor& input, at::TensorList we
 
 // The kernels a routed layer can take (cpu/ops.py's `ROUTED_CODES`).
 using contbatch_layer::kAten, contbatch_layer::kNative, contbatch_layer::kOneDnn, contbatch_layer::kPanel;
+using contbatch_layer::kRegimes, contbatch_layer::regime_of;
 
 at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
@@ -297,14 +298,15 @@ at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, cons
   return y.view(shape);
 }
 
-// A linear layer in a compiled step, its kernel chosen here by the row count: `one` for one row,
-// `few` for 2-7, `many` for more. Chosen in Python instead, the choice is a branch on the row
-// count that Dynamo traces as one graph per regime: three graphs (and three traces of the
-// layers) per start where one serves every row count.
+// A linear layer in a compiled step, its kernel chosen here by the row count (regime_of): `one`
+// for one row, `few` for 2-7, `batch` up to kPanelMaxRows, `many` for more. Chosen in Python
+// instead, the choice is a branch on the row count that Dynamo traces as one graph per regime:
+// four graphs (and four traces of the layers) per start where one serves every row count.
 at::Tensor routed_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                         int64_t one, int64_t few, int64_t many) {
+                         int64_t one, int64_t few, int64_t batch, int64_t many) {
   const int64_t rows = input.size(-1) == 0 ? 0 : input.numel() / input.size(-1);
-  const int64_t kernel = rows == 0 ? kAten : rows == 1 ? one : rows <= kMaxRows ? few : many;
+  const int64_t codes[kRegimes] = {one, few, batch, many};
+  const int64_t kernel = rows == 0 ? kAten : codes[regime_of(rows)];
   switch (kernel) {
     case kNative:
       TORCH_CHECK(rows <= kMaxRows, "routed_linear: the native kernel takes 1 to ", kMaxRows, " rows");
@@ -342,7 +344,7 @@ void small_linears_share(const float* x, int64_t rows, int64_t in, const FloatRe
 TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
-  m.def("routed_linear(Tensor x, Tensor weight, Tensor? bias, int one, int few, int many) -> Tensor");
+  m.def("routed_linear(Tensor x, Tensor weight, Tensor? bias, int one, int few, int batch, int many) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {

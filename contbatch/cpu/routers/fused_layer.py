@@ -56,7 +56,7 @@ class StepInputs:
     decode: tuple  # (block_table, kv_lens) of the leading decode rows, or (None, None)
     chunks: tuple  # (block_table, q_start, q_lens, kv_lens) of the prompt chunks, or four None
     block_size: int
-    kind: tuple  # (row regime: 0 one row, 1 a few, 2 more; has decode rows; has prompt chunks;
+    kind: tuple  # (row regime: ops.row_regime; has decode rows; has prompt chunks;
     #              LoRA rows: 0 none, 1 in padded groups, 2 in segmented ones)
     lora: Any = None  # the step's LoRA groups (lora/segments.py's LoraStep), None: no adapter row
 
@@ -74,7 +74,7 @@ def step_inputs(meta: Any) -> StepInputs | None:
             and meta.cache.layout.calls_per_layer == 1 and meta.cache.layout.uniform):
         d, c, rows = step.decode_rows, step.prefill_chunks, step.num_tokens
         lora = getattr(meta, "lora", None)
-        kind = (0 if rows == 1 else 1 if rows <= ops.SMALL_LINEAR_MAX_ROWS else 2, d is not None, c is not None,
+        kind = (ops.row_regime(rows), d is not None, c is not None,
                 0 if lora is None else 1 if lora.bounds is None else 2)
         inputs = StepInputs(meta.cache, meta.write_slots, (None, None) if d is None else (d.block_table, d.kv_lens),
                             (None,) * 4 if c is None else (c.block_table, c.q_start, c.q_lens, c.kv_lens),
@@ -138,7 +138,7 @@ class FusedLayer:
         packed = [None] * len(self.linears)
         if regime:
             for i, m in enumerate(self.linears):
-                holder = m.__dict__.get(HOLDERS.get(self.codes[3 * i + regime], ""))
+                holder = m.__dict__.get(HOLDERS.get(self.codes[ops.ROW_REGIMES * i + regime], ""))
                 if holder is not None:
                     packed[i] = holder.fresh(m.weight)
         return packed

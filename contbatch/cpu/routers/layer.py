@@ -46,8 +46,8 @@ logger = logging.getLogger("contbatch")
 
 KERNELS = ("auto", "layer", "off")  # the stack as one call where it can be, each layer, per module
 DTYPES = (torch.float32, torch.bfloat16)
-ATEN_CODES = (0, 0, 0)  # routed_linear's codes of a plain nn.Linear: aten at every row count
-QUANT_CODES = (ops.QUANT_CODE,) * 3  # a packed linear: quant_linear at every row count, as QuantLinear runs
+ATEN_CODES = (0,) * ops.ROW_REGIMES  # routed_linear's codes of a plain nn.Linear: aten at every row count
+QUANT_CODES = (ops.QUANT_CODE,) * ops.ROW_REGIMES  # a packed linear: quant_linear at every row count, as QuantLinear runs
 # Set by the engine's compile code on the function it puts in a decoder layer's `forward` to make
 # it a compile region: the layer class whose forward the region wraps.
 LAYER_REGION = "_contbatch_layer_region"

@@ -3,8 +3,9 @@
 The kernels: `aten` (`F.linear`), `onednn` and `upcast` (`linear_kernels.py`), `small_linear` (ours,
 1-7 rows of float32 or bfloat16: `ops.small_linear`) and `panel` (ours, float32 batches on a
 weight packed in panels: `ops.panel_linear`). `plan_linear` chooses per weight shape
-and dtype and per row regime: one row (a lone request decoding), a few rows (2 to FEW_ROWS - 1:
-a few requests, a speculative verification run; timed at 4) and a batch (timed at 32). "auto"
+and dtype and per row regime (`ops.row_regime`): one row (a lone request decoding), a few rows
+(2 to 7: a few requests, a speculative verification run; timed at 4), a batch (8 to 256 rows:
+a decode step of many requests; timed at 32) and prompt chunks (more rows; timed at 512). "auto"
 times every available kernel on the model's own shapes (`probe.py`) and takes one other than
 aten only where it wins by WIN_MARGIN; the timings persist per machine, so later starts route,
 and round, the same way. A kernel named instead of "auto" is forced where it is available
@@ -48,11 +49,11 @@ from .base import Router
 logger = logging.getLogger("contbatch")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The three regimes, each with its own verdict per weight shape. The batch regime's row count is
-# a batched decode step's (tens of streams), where the kernels differ most; prompt chunks (hundreds
-# of rows) are compute-bound, and there the kernels are within a few percent (docs/cpu.md).
-PROBE_ROWS = (1, 4, 32)
-FEW_ROWS = ops.SMALL_LINEAR_MAX_ROWS + 1  # calls with 2 .. FEW_ROWS - 1 rows take the 4-row verdict; more, the 32-row one
+# The row count each regime (`ops.row_regime`) is timed at, each with its own verdict per weight
+# shape. The batch regime's is a batched decode step's (tens of streams), where the kernels differ
+# most; prompt chunks (hundreds of rows) are compute-bound, where aten and oneDNN came within a
+# few percent on one machine and 1.14x apart on another (docs/cpu.md), and `panel` does not run.
+PROBE_ROWS = (1, 4, 32, 512)
 WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
 PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
 
@@ -64,7 +65,7 @@ class LinearPlan:
     """The kernel of each weight shape routed away from aten, per regime, and how the choice was made."""
 
     kernel: str  # what the user asked: auto, aten, onednn, small_linear, panel or upcast
-    routes: tuple[tuple[Shape, tuple[str, str, str]], ...]  # shape -> kernel at 1 row, a few rows, a batch
+    routes: tuple[tuple[Shape, tuple[str, ...]], ...]  # shape -> kernel per row regime (PROBE_ROWS)
     summary: str
     prepack: bool = False  # layers routed to oneDNN or panel keep a packed copy of their weight
 
@@ -73,7 +74,7 @@ class LinearPlan:
         return bool(self.routes)
 
     def kernels_at(self, regime: int) -> dict[Shape, str]:
-        """{shape: kernel} at one regime (0: one row, 1: a few, 2: a batch), aten left out."""
+        """{shape: kernel} at one regime (0: one row, 1: a few, 2: a batch, 3: prompt chunks), aten left out."""
         return {shape: kernels[regime] for shape, kernels in self.routes if kernels[regime] != "aten"}
 
 
@@ -117,7 +118,7 @@ def _prepack_verdict(layers: list[torch.nn.Linear], asked: bool, available: list
     return True, ""
 
 
-def _packs(route: tuple[str, str, str] | None, kernel: str = "onednn") -> bool:
+def _packs(route: tuple[str, ...] | None, kernel: str = "onednn") -> bool:
     """Whether a layer with this route runs `kernel` (oneDNN or panel) on two rows or more (one
     row keeps the plain weight)."""
     return route is not None and kernel in route[1:]
@@ -159,7 +160,8 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         for s in shapes:
             if kernel in available[s[2]]:
                 batch = kernel if kernel != "small_linear" else "onednn" if "onednn" in available[s[2]] else "aten"
-                routes.append((s, ("aten" if kernel == "panel" else kernel, kernel, batch)))
+                routes.append((s, ("aten" if kernel == "panel" else kernel, kernel, batch,
+                                   "aten" if kernel == "panel" else batch)))
         if not routes:
             return LinearPlan(kernel, (), f"aten ({kernel} is not available here{no_onednn})")
         above = (f"; oneDNN or aten above {ops.SMALL_LINEAR_MAX_ROWS} rows" if kernel == "small_linear" else
@@ -181,15 +183,19 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         pool = probe.probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
-            packs = {"onednn": functools.cache(
-                         lambda s=shape: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, s[0], s[1])]),
-                     "panel": functools.cache(
-                         lambda s=shape: [(w, ops.panel_pack(w)) for w in probe.copies(pool.tensor, s[0], s[1])])}
+            packs = {}  # per timed shape and kernel: the pool's copies packed, made once for every row count
             for regime, rows in enumerate(PROBE_ROWS):
                 kernels = tuple(k for k in linear_kernels.available_kernels(dtype, rows) if k in available[name])
-                times = probe.time_kernels(shape[0], shape[1], rows, pool, kernels,
-                                           {k: packs[k] for k in kernels if k in packs} if prepack and rows > 1
-                                           else None)
+                timed = probe.timed_shape(shape[0], shape[1], rows)
+                if prepack and rows > 1 and timed not in packs:
+                    packs[timed] = {
+                        "onednn": functools.cache(
+                            lambda s=timed: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, *s)]),
+                        "panel": functools.cache(
+                            lambda s=timed: [(w, ops.panel_pack(w)) for w in probe.copies(pool.tensor, *s)])}
+                times = probe.time_kernels(*timed, rows, pool, kernels,
+                                           {k: packs[timed][k] for k in kernels if k in packs[timed]}
+                                           if prepack and rows > 1 else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
                 chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
@@ -219,12 +225,12 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
     return LinearPlan(kernel, routes, summary + _packed_note(model, routes, prepack, why), prepack)
 
 
-def kernel_at(route: tuple[str, str, str], rows: int) -> str:
+def kernel_at(route: tuple[str, ...], rows: int) -> str:
     """The route's kernel for a call of `rows` rows."""
-    return "aten" if rows == 0 else route[0 if rows == 1 else 1 if rows < FEW_ROWS else 2]
+    return "aten" if rows == 0 else route[ops.row_regime(rows)]
 
 
-def routed_codes(route: tuple[str, str, str]) -> tuple[int, int, int] | None:
+def routed_codes(route: tuple[str, ...]) -> tuple[int, ...] | None:
     """The route as `routed_linear`'s codes, or None where it names a kernel the op lacks
     (`upcast`) or the C++ library is not loaded (no compiler here)."""
     if not native.load()[0] or any(k not in ops.ROUTED_CODES for k in route):
