@@ -210,6 +210,14 @@ def copies(pool: torch.Tensor, out_features: int, in_features: int) -> list[torc
     return [pool[i * size:(i + 1) * size].view(out_features, in_features) for i in range(max(1, pool.numel() // size))]
 
 
+def packed_copies(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """One packed copy per weight for the timed passes: the first packed, the others copies of it
+    (a kernel's speed does not depend on the values, and copying is several times cheaper than
+    packing: the small shapes' pools hold a hundred copies and more)."""
+    first = pack(weights[0])
+    return [first] + [first.clone() for _ in weights[1:]]
+
+
 def _pass(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """Seconds per call over one pass calling `fn` once on every weight in turn."""
     start = time.perf_counter()

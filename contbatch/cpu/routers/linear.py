@@ -52,7 +52,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The row count each regime (`ops.row_regime`) is timed at, each with its own verdict per weight
 # shape. The batch regime's is a batched decode step's (tens of streams), where the kernels differ
 # most; prompt chunks (hundreds of rows) are compute-bound, where aten and oneDNN came within a
-# few percent on one machine and 1.14x apart on another (docs/cpu.md), and `panel` does not run.
+# few percent on one machine and 1.1-1.35x apart on another (docs/cpu.md), and `panel` does not run.
 PROBE_ROWS = (1, 4, 32, 512)
 WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
 PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
@@ -189,10 +189,11 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
                 timed = probe.timed_shape(shape[0], shape[1], rows)
                 if prepack and rows > 1 and timed not in packs:
                     packs[timed] = {
-                        "onednn": functools.cache(
-                            lambda s=timed: [linear_kernels.pack(w) for w in probe.copies(pool.tensor, *s)]),
-                        "panel": functools.cache(
-                            lambda s=timed: [(w, ops.panel_pack(w)) for w in probe.copies(pool.tensor, *s)])}
+                        "onednn": functools.cache(lambda s=timed: probe.packed_copies(
+                            probe.copies(pool.tensor, *s), linear_kernels.pack)),
+                        "panel": functools.cache(lambda s=timed: list(zip(
+                            probe.copies(pool.tensor, *s), probe.packed_copies(probe.copies(pool.tensor, *s),
+                                                                              ops.panel_pack))))}
                 times = probe.time_kernels(*timed, rows, pool, kernels,
                                            {k: packs[timed][k] for k in kernels if k in packs[timed]}
                                            if prepack and rows > 1 else None)
