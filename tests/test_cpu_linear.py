@@ -365,6 +365,34 @@ def test_prompt_chunks_have_a_verdict_of_their_own():
     assert probe.timed_shape(49152, 576, 32) == (49152, 576) and probe.timed_shape(1536, 576, 512) == (1536, 576)
 
 
+@pytest.mark.parametrize("batch_kernel", ["onednn", "panel"])
+def test_prompt_chunks_keep_the_batch_kernel_without_a_clear_winner(llama_model, tmp_path, monkeypatch, batch_kernel):
+    """At 512 rows a kernel replaces the batch verdict's only where it beats aten by WIN_MARGIN;
+    where none does, prompt chunks keep the batch kernel if it runs there (oneDNN), else aten
+    (`panel` hands them to aten itself); a clear winner takes them."""
+    monkeypatch.setenv("CONTBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "store", probe.ProbeStore())
+    monkeypatch.setattr(linear_router.ForeignLoad, "cores", lambda self: 0.0)
+    clear = {"value": False}
+
+    def fake_times(out_features, in_features, rows, pool, kernels, packs=None):
+        if rows == 32:  # the batch verdict: `batch_kernel` by far
+            return {k: 1.0 if k == batch_kernel else 3.0 for k in kernels}
+        if rows == 512:  # tied, or oneDNN clearly ahead
+            return {k: 0.5 if clear["value"] and k == "onednn" else 1.0 for k in kernels}
+        return {k: 1.0 for k in kernels}  # aten keeps one and a few rows
+
+    monkeypatch.setattr(probe, "time_kernels", fake_times)
+    if batch_kernel == "panel" and "panel" not in linear_kernels.available_kernels(torch.float32, 32):
+        pytest.skip("panel does not run here")
+    routes = dict(linear_router.plan_linear(llama_model).routes)
+    assert routes and all(r[2] == batch_kernel for r in routes.values())
+    assert all(r[3] == ("onednn" if batch_kernel == "onednn" else "aten") for r in routes.values())
+    clear["value"] = True
+    routes = dict(linear_router.plan_linear(llama_model).routes)
+    assert routes and all(r[3] == "onednn" for r in routes.values())
+
+
 def test_probe_verdicts_persist_for_later_starts(llama_model, tmp_path, monkeypatch):
     """The probe's timings are kept in $CONTBATCH_CACHE per machine: a later process routes the
     same way without probing (and so rounds the same way), and its start-up line says where

@@ -54,6 +54,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # most; prompt chunks (hundreds of rows) are compute-bound, where aten and oneDNN came within a
 # few percent on one machine and 1.1-1.35x apart on another (docs/cpu.md), and `panel` does not run.
 PROBE_ROWS = (1, 4, 32, 512)
+BATCH, PROMPT = 2, 3  # their indices. Where no kernel beats aten clearly at 512 rows, prompt chunks keep
+# the batch verdict's kernel where it runs there (oneDNN): timed on hot copies, aten's bfloat16
+# product tied oneDNN's prepacked one, while in the engine it ran prompts ~10% slower.
 WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
 PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
 
@@ -199,7 +202,10 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
                                            if prepack and rows > 1 else None)
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
-                chosen[shape].append(best if times["aten"] > WIN_MARGIN * times[best] else "aten")
+                verdict = best if times["aten"] > WIN_MARGIN * times[best] else "aten"
+                if verdict == "aten" and regime == PROMPT and chosen[shape][BATCH] in kernels:
+                    verdict = chosen[shape][BATCH]  # no clear winner: prompt chunks stay on the batch kernel
+                chosen[shape].append(verdict)
             del packs  # the packed copies (up to POOL_BYTES each) go before the next shape's are made
         del pool
     routes = tuple((s, tuple(k)) for s, k in chosen.items() if set(k) != {"aten"})
