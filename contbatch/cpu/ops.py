@@ -19,7 +19,7 @@ SMALL_LINEAR_MAX_ROWS = 7  # rows `small_linear` takes; more go to another kerne
 # `panel` needs its packed weight, which the op does not get: there it runs aten's linear.
 ROUTED_CODES = {"aten": 0, "onednn": 1, "small_linear": 2, "panel": 4}
 QUANT_CODE = 3  # decoder_stack's route code of a packed linear (cpu/quant/linear.py's QuantLinear)
-PANEL_MAX_ROWS = 256  # rows `panel_linear` computes on its panels; more take aten's GEMM (csrc/panel_linear_cpu.cpp)
+PANEL_MAX_ROWS = 256  # rows `panel_linear` computes on its panels; more take aten's GEMM (csrc/panel_tile.h's kPanelMaxRows)
 ROW_REGIMES = 4  # a route's kernels, one per row regime (`row_regime`): the codes a linear takes
 
 

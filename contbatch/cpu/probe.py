@@ -218,6 +218,15 @@ def packed_copies(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], to
     return [first] + [first.clone() for _ in weights[1:]]
 
 
+def packed_pools(pool: ProbePool, out_features: int, in_features: int) -> dict[str, Callable[[], list]]:
+    """`time_kernels`'s `packs` for one weight shape: per kernel that runs on a packed copy, the
+    pool's copies packed (oneDNN's prepacked weights; `panel`'s (plain, packed) pairs), each made
+    at its first use and kept for every row count timed (the pool is drawn only then too)."""
+    weights = functools.cache(lambda: copies(pool.tensor, out_features, in_features))
+    return {"onednn": functools.cache(lambda: packed_copies(weights(), linear_kernels.pack)),
+            "panel": functools.cache(lambda: list(zip(weights(), packed_copies(weights(), ops.panel_pack))))}
+
+
 def _pass(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """Seconds per call over one pass calling `fn` once on every weight in turn."""
     start = time.perf_counter()

@@ -9,10 +9,12 @@
 #include <optional>
 #include <vector>
 
+#include "panel_tile.h"
+
 namespace contbatch_layer {
 
 constexpr int64_t kMaxRows = 7;  // rows small_linear_cpu.cpp's kernel takes (ops.py's SMALL_LINEAR_MAX_ROWS)
-constexpr int64_t kPanelMaxRows = 256;  // rows panel_linear_cpu.cpp computes on its panels (ops.py's PANEL_MAX_ROWS)
+using contbatch_panel::kPanelMaxRows;  // ops.py's PANEL_MAX_ROWS
 constexpr int64_t kRegimes = 4;  // route codes per linear, one per row regime (`regime_of`)
 constexpr int64_t kQuantCallRows = 512;  // rows quant_linear_cpu.cpp's quant_linears takes (more: one call each)
 // Route codes of a linear (ops.py's ROUTED_CODES and QUANT_CODE), for the layer and routed_linear.

@@ -26,8 +26,6 @@ namespace {
 
 using namespace contbatch_panel;
 
-constexpr int64_t kPanelMaxRows = 256;  // more rows take aten's GEMM (panel_linear below)
-
 // [out, in] float32 -> [ceil(out / kPanel), in, kPanel], the last panel's missing outputs zero.
 at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),

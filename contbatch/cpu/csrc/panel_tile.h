@@ -18,6 +18,7 @@
 namespace contbatch_panel {
 
 constexpr int64_t kPanel = 32;  // output features a panel holds: two AVX-512 vectors
+constexpr int64_t kPanelMaxRows = 256;  // rows panel_linear computes on its panels; more take aten's GEMM
 #if defined(__AVX512F__)
 constexpr int64_t kTileRows = 14;  // 28 accumulators of the 32 registers, two for the column
 #else

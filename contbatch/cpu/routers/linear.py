@@ -31,7 +31,6 @@ The change is rounding only (another summation order, float32 accumulation).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import types
@@ -51,12 +50,12 @@ logger = logging.getLogger("contbatch")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The row count each regime (`ops.row_regime`) is timed at, each with its own verdict per weight
 # shape. The batch regime's is a batched decode step's (tens of streams), where the kernels differ
-# most; prompt chunks (hundreds of rows) are compute-bound, where aten and oneDNN came within a
-# few percent on one machine and 1.1-1.35x apart on another (docs/cpu.md), and `panel` does not run.
+# most; prompt chunks (hundreds of rows) are compute-bound, where aten and oneDNN tie on some
+# machines and part on others (docs/cpu.md), and `panel` does not run.
 PROBE_ROWS = (1, 4, 32, 512)
 BATCH, PROMPT = 2, 3  # their indices. Where no kernel beats aten clearly at 512 rows, prompt chunks keep
 # the batch verdict's kernel where it runs there (oneDNN): timed on hot copies, aten's bfloat16
-# product tied oneDNN's prepacked one, while in the engine it ran prompts ~10% slower.
+# product tied oneDNN's prepacked one, while in the engine oneDNN ran the prompts faster (docs/cpu.md).
 WIN_MARGIN = 1.1  # a kernel must be this much faster than aten to be chosen: noise must not flip kernels
 PREPACK_RAM_FRACTION = 0.25  # prepacked oneDNN weights only while their copies fit in this much free RAM
 
@@ -186,20 +185,12 @@ def plan_linear(model: torch.nn.Module, kernel: str = "auto", prepack: bool = Tr
         pool = probe.probe_pool(nbytes, max(o * i for o, i, _ in of_dtype), dtype)
         for shape in of_dtype:
             chosen[shape] = []
-            packs = {}  # per timed shape and kernel: the pool's copies packed, made once for every row count
+            packs = {}  # per timed shape: the pool's copies packed (probe.packed_pools), for every row count
             for regime, rows in enumerate(PROBE_ROWS):
                 kernels = tuple(k for k in linear_kernels.available_kernels(dtype, rows) if k in available[name])
                 timed = probe.timed_shape(shape[0], shape[1], rows)
-                if prepack and rows > 1 and timed not in packs:
-                    packs[timed] = {
-                        "onednn": functools.cache(lambda s=timed: probe.packed_copies(
-                            probe.copies(pool.tensor, *s), linear_kernels.pack)),
-                        "panel": functools.cache(lambda s=timed: list(zip(
-                            probe.copies(pool.tensor, *s), probe.packed_copies(probe.copies(pool.tensor, *s),
-                                                                              ops.panel_pack))))}
-                times = probe.time_kernels(*timed, rows, pool, kernels,
-                                           {k: packs[timed][k] for k in kernels if k in packs[timed]}
-                                           if prepack and rows > 1 else None)
+                packed = packs.setdefault(timed, probe.packed_pools(pool, *timed)) if prepack and rows > 1 else {}
+                times = probe.time_kernels(*timed, rows, pool, kernels, {k: packed[k] for k in kernels if k in packed})
                 best = min(times, key=times.get)
                 gains[regime].append(times["aten"] / times[best])
                 verdict = best if times["aten"] > WIN_MARGIN * times[best] else "aten"
