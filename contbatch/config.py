@@ -299,6 +299,7 @@ class ResolvedConfig:
     max_lora_rank: int = 64
     recurrent_mixers: int = 0  # recurrent layers whose per-request state lives beside the KV cache
     kv_layers: str = ""  # each cache layer's KV shape, runs of alike layers (cache/layout.py's KVLayout.describe)
+    kv_populate: str = ""  # CPU: how fresh cache memory is made resident (cache/resident.py); "" elsewhere
     # Tensor parallelism: ranks in the group, this process's rank, the backend of the model's
     # collectives (None: one process), and the KV heads this rank's cache holds.
     tp_size: int = 1

@@ -63,7 +63,10 @@ class BlockManager:
         self.block_size = block_size
         self.allow_block_sharing = allow_block_sharing
         self.eviction = eviction
-        self._free: deque[int] = deque(range(num_blocks))  # free, holding nothing reusable
+        # Free, holding nothing reusable: blocks given back first (their memory is in use
+        # already), then the never-used ones in ascending order.
+        self._free: deque[int] = deque(range(num_blocks))
+        self.frontier = 0  # every block below it has been handed out at least once (cache/resident.py)
         self._cached: OrderedDict[int, None] = OrderedDict()  # free, hashed: in release order
         self._refs = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
@@ -103,6 +106,7 @@ class BlockManager:
     def _take(self) -> int:
         if self._free:
             block = self._free.popleft()
+            self.frontier = max(self.frontier, block + 1)
         else:
             block, _ = self._cached.popitem(last=self.eviction == "mru")
             self._unpublish(block)
@@ -162,7 +166,7 @@ class BlockManager:
                     self._cached[block] = None
                 else:  # never hashed, or a twin of a block that already serves this prefix
                     self._keys[block] = None
-                    self._free.append(block)
+                    self._free.appendleft(block)
 
     # -- prefix sharing ------------------------------------------------------------------
     def _keys_for(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
@@ -312,7 +316,7 @@ class BlockManager:
         owners but serve no one else, and the chains of their owners stop there. Returns the
         number of blocks freed."""
         freed = len(self._cached)
-        self._free.extend(self._cached)
+        self._free.extendleft(self._cached)
         self._cached.clear()
         self._by_hash.clear()
         self._children.clear()

@@ -24,6 +24,7 @@ from ..cpu import ops as cpu_ops
 from .block_manager import BlockManager, blocks_for
 from .recurrent_state import RecurrentStateCache
 from .layout import KVLayout
+from .resident import ResidentKV, availability
 
 logger = logging.getLogger("contbatch")
 
@@ -94,10 +95,32 @@ class PagedAttentionCache:
         self.native_write = self.device.type == "cpu" and cpu_ops.kv_write_available()
         # Per-request states of a hybrid model's recurrent layers (None: the model has none).
         self.recurrent: RecurrentStateCache | None = None
+        # On the CPU, fresh blocks' pages made resident before a step writes them (resident.py).
+        self.resident = (ResidentKV(self.key_cache + self.value_cache, num_blocks, block_size, token_major)
+                         if self.device.type == "cpu" and layout.bytes_per_block(block_size) and availability()[0]
+                         else None)
 
     @property
     def num_rows(self) -> int:
         return (self.num_blocks + RESERVED_BLOCKS) * self.block_size
+
+    def make_resident(self, block_table: torch.Tensor | None = None) -> None:
+        """Before a step: every block handed out so far resident (the block manager's frontier;
+        a tensor-parallel worker, whose blocks rank 0 hands out, passes the step's block table),
+        so that the step's writes take no page faults."""
+        if self.resident is None:
+            return
+        if block_table is None:
+            self.resident.upto(self.block_manager.frontier)
+        else:
+            real = block_table[block_table < self.num_blocks]  # not the reserved blocks padding points at
+            self.resident.upto(int(real.max()) + 1 if real.numel() else 0)
+
+    def populate_ahead(self) -> bool:
+        """While the engine is idle: one more block past the frontier resident (a few
+        milliseconds at most, so a request arriving meanwhile waits no longer than that); False
+        when there is nothing (more) to do, and the engine thread then waits for commands."""
+        return self.resident is not None and self.resident.ahead(self.block_manager.frontier)
 
     @property
     def nbytes(self) -> int:

@@ -325,7 +325,7 @@ class ContinuousBatchingManager(EngineControl, AdapterControl):
     def _loop(self) -> None:
         try:
             while True:
-                self._drain_inbox(block=self._paused or not self.core.has_work())
+                self._drain_inbox(block=self._paused or not (self.core.has_work() or self.core.cache.populate_ahead()))
                 self._adapters.retry(self.core)  # requests that wait for an adapter slot, freed since
                 if self._stop_mode == "hard":
                     break

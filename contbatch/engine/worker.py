@@ -44,7 +44,9 @@ def run_worker_loop(manager) -> int:
                 if message.stop:
                     return steps
                 try:
-                    core.runner.launch(unpack_batch(message.batch), None)
+                    batch = unpack_batch(message.batch)
+                    core.cache.make_resident(batch.block_table)
+                    core.runner.launch(batch, None)
                 except Exception as exc:
                     raise RankFailure(f"{tp.describe()} could not run step {steps + 1} (rank 0 died or hung "
                                       f"mid-step, or the forward failed here): {type(exc).__name__}: "

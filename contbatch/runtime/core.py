@@ -132,9 +132,10 @@ class EngineCore:
             wait_for_grammars(self.scheduler.waiting, timeout=0.01)
 
     def _move_kv(self, plan: StepPlan) -> None:
-        # Offloaded blocks may already be promised to others: copy out before anything else.
+        # Offloaded blocks may be promised to others: out first; then fresh blocks resident (cache/resident.py).
         for off in plan.offloaded:
             self.host.copy_out(off.state.request_id, off.blocks, off.num_tokens)
+        self.cache.make_resident()
         copies = self.cache.block_manager.take_copies()  # partial prefix hits (block_manager.py)
         if copies:
             self.host.copy_prefix(copies)

@@ -10,6 +10,7 @@ import torch
 from ..attention.select import choose_backend
 from ..cache.block_manager import blocks_for
 from ..cache.paged_cache import KVLayout, solve_num_blocks
+from ..cache.resident import describe_populate
 from ..cpu.knobs import CpuKnobs
 from ..cpu.plan import plan_cpu
 from ..attention.recurrent import recurrent_mixers
@@ -166,6 +167,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, model: torch.nn.Module) -> tup
         decode_fast_path=backend.decode_fast_path,
         max_queue_size=cfg.max_queue_size,
         kv_cache_bytes=(num_blocks + 2) * layout.bytes_per_block(bs),
+        kv_populate=describe_populate(layout.bytes_per_block(bs)) if device.type == "cpu" else "",
         allow_block_sharing=sharing,
         prefix_cache_eviction=cfg.prefix_cache_eviction,
         hold_shared_prefixes=sharing and cfg.hold_shared_prefixes,
@@ -243,6 +245,7 @@ def describe(resolved: ResolvedConfig) -> str:
         + (f"{resolved.cpu.describe(prefill=resolved.attention_backend == 'torch')} " if resolved.cpu else "")
         + (f"{resolved.quantization.describe()} " if resolved.quantization else "")
         + f"kv_layers=[{resolved.kv_layers}] "
+        + (f"kv_populate={resolved.kv_populate} " if resolved.kv_populate else "")
         + f"max_queue_size={resolved.max_queue_size or 'unlimited'} "
         f"allow_block_sharing={resolved.allow_block_sharing} ({resolved.prefix_cache_eviction}"
         f"{', shared prefixes held for in-flight twins' if resolved.hold_shared_prefixes else ''}) "
