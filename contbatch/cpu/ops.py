@@ -134,7 +134,7 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
     12 of int4) a panel of 32 output features at a time into float32 tiles; a tiled weight
     (`bits` is the format's `op_bits`) takes integer dot products at every row count
     (csrc/quant_tiles.h). Equals `F.linear(x, quant_dequantize(...), bias)` up to float
-    rounding (for tiled weights, within the bound quant_tiles.h states)."""
+    rounding (for tiled weights, within the bound csrc/quant_digits.h states)."""
     return torch.ops.contbatch_cpu.quant_linear(x, codes, scales, mins, bias, bits, group)
 
 

@@ -228,11 +228,11 @@ std::vector<at::Tensor> few_rows(const at::Tensor& input, const std::vector<Pack
   }
   const float* xp = bf16_digits ? nullptr : x.data_ptr<float>();
 #if defined(CONTBATCH_QUANT_TILES)
-  // x as integer digits once for every tiled linear of the call (quant_tiles.h)
+  // x as integer digits once for every tiled linear of the call (quant_digits.h)
   // (a reference: the pool's threads read the calling thread's digits, not their own)
   static thread_local XDigits digits;
   XDigits& xd = digits;
-  // bfloat16 x (8 significant bits) in two digits, float32 in three (quant_tiles.h)
+  // bfloat16 x (8 significant bits) in two digits, float32 in three (quant_digits.h)
   const int x_digits = input.scalar_type() == at::kBFloat16 ? 2 : 3;
   if (bf16_digits) make_digits(x.data_ptr<c10::BFloat16>(), rows, in, x_digits, xd);
   else if (any_tiled) make_digits(xp, rows, in, x_digits, xd);

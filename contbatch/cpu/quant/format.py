@@ -29,7 +29,7 @@ blocks), so one kernel serves them all (csrc/quant_linear_cpu.cpp):
 The dequantized value of a weight is defined as float32 `code * scale` (then `+ min`), the
 fp16 fields widened to float32 exactly and each step rounded: the row layout's kernels rebuild
 exactly these values, and the exactness tests compare against `F.linear` on them (the tiled
-layout's integer kernels multiply the codes instead, within the bound csrc/quant_tiles.h states).
+layout's integer kernels multiply the codes instead, within the bound csrc/quant_digits.h states).
 """
 
 from __future__ import annotations
