@@ -77,6 +77,7 @@ def test_blocks_handed_out_are_resident_before_the_step_and_the_rest_only_ahead(
     bm = cache.block_manager
     assert cache.resident is not None and cache.resident.window == 3
     assert not any(_block_resident(cache, b) for b in range(6))
+    assert not cache.populate_ahead()  # no request yet: nothing taken ahead
     assert bm.ensure("a", 2 * BLOCK + 1)  # blocks 0, 1, 2
     cache.make_resident()
     assert all(_block_resident(cache, b) for b in range(3)) and not _block_resident(cache, 3)

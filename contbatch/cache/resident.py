@@ -14,7 +14,8 @@ from the frontier on. Before each step the engine makes every block below the fr
 resident (`upto`): most steps find nothing to do, and a step that takes fresh blocks populates
 them there, whole, before its forward. While the engine has nothing to run, it populates up to
 AHEAD_BYTES past the frontier, a block at a time (`ahead`), so that the next requests find
-their blocks ready. Memory is still taken only as requests come: at most AHEAD_BYTES more.
+their blocks ready. Memory is still taken only as requests come: at most AHEAD_BYTES more, and
+none before the first request.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class ResidentKV:
 
     def ahead(self, frontier: int) -> bool:
         """One more block past the frontier resident, if the window is not full yet; returns
-        whether it populated one (the engine calls again until it says False, or work comes)."""
+        whether it populated one (the engine calls again until it says False, or work comes).
+        Nothing before the first block is handed out: a manager that never gets a request
+        takes no memory."""
         target = min(self.num_blocks, frontier + self.window)
-        if self.failed is not None or self.ready >= target:
+        if self.failed is not None or not frontier or self.ready >= target:
             return False
         self._populate(self.ready, max(self.ready, frontier) + 1)
         return True
