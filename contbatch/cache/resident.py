@@ -89,7 +89,6 @@ class ResidentKV:
         self.num_blocks = num_blocks
         self.ready = 0  # blocks [0, ready) are resident
         self.window = max(1, AHEAD_BYTES // max(1, self.block_bytes))  # populated ahead while idle
-        self.populated_blocks = 0
         self.failed: str | None = None  # why populating stopped (then pages arrive by faults, as before)
 
     def upto(self, frontier: int) -> None:
@@ -109,14 +108,11 @@ class ResidentKV:
         return True
 
     def _populate(self, first: int, end: int) -> None:
-        if self.failed is None:
-            for base, size in self.planes:
-                start = base + first * size
-                aligned = start - start % PAGE
-                if _MADVISE(aligned, start - aligned + (end - first) * size, MADV_POPULATE_WRITE) != 0:
-                    self.failed = f"madvise(MADV_POPULATE_WRITE) failed: errno {ctypes.get_errno()}"
-                    logger.warning("contbatch: KV cache pages arrive on first write from now on (%s)", self.failed)
-                    break
-            else:
-                self.populated_blocks += end - first
-        self.ready = max(self.ready, end)
+        for base, size in self.planes if self.failed is None else ():
+            start = base + first * size
+            aligned = start - start % PAGE
+            if _MADVISE(aligned, start - aligned + (end - first) * size, MADV_POPULATE_WRITE) != 0:
+                self.failed = f"madvise(MADV_POPULATE_WRITE) failed: errno {ctypes.get_errno()}"
+                logger.warning("contbatch: KV cache pages arrive on first write from now on (%s)", self.failed)
+                break
+        self.ready = max(self.ready, end)  # after a failure too: those pages arrive by faults
