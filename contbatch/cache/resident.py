@@ -21,6 +21,7 @@ none before the first request.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 
@@ -48,8 +49,9 @@ def _libc_madvise():
 _MADVISE = _libc_madvise()
 
 
+@functools.cache
 def availability() -> tuple[bool, str]:
-    """Whether memory can be populated ahead here, and if not, why (tried on a small buffer)."""
+    """Whether memory can be populated ahead here, and if not, why (tried once, on a small buffer)."""
     if _MADVISE is None:
         return False, "no madvise(2) here (not Linux)"
     buffer = (ctypes.c_char * (3 * PAGE))()
@@ -59,6 +61,11 @@ def availability() -> tuple[bool, str]:
     return True, ""
 
 
+def window_blocks(block_bytes: int) -> int:
+    """Blocks populated past the frontier while the engine is idle: AHEAD_BYTES of them, at least one."""
+    return max(1, AHEAD_BYTES // max(1, block_bytes))
+
+
 def describe_populate(block_bytes: int) -> str:
     """What the start-up line says of it: in force, with its window, or off and why."""
     ok, why = availability()
@@ -66,7 +73,7 @@ def describe_populate(block_bytes: int) -> str:
         return "off (no layer keeps KV)"
     if not ok:
         return f"off ({why}: pages arrive on first write)"
-    blocks = max(1, AHEAD_BYTES // max(1, block_bytes))
+    blocks = window_blocks(block_bytes)
     return (f"on (fresh blocks resident before their step; {blocks} blocks, {blocks * block_bytes / 2**20:.0f} MiB, "
             "past the last one handed out while idle)")
 
@@ -88,7 +95,7 @@ class ResidentKV:
         self.block_bytes = sum(size for _, size in self.planes)
         self.num_blocks = num_blocks
         self.ready = 0  # blocks [0, ready) are resident
-        self.window = max(1, AHEAD_BYTES // max(1, self.block_bytes))  # populated ahead while idle
+        self.window = window_blocks(self.block_bytes)
         self.failed: str | None = None  # why populating stopped (then pages arrive by faults, as before)
 
     def upto(self, frontier: int) -> None:
