@@ -15,7 +15,6 @@ from .cpu import knobs
 
 if TYPE_CHECKING:
     from .cpu.plan import CpuPlan
-    from .setup.quantize import QuantSummary
 
 MIN_BLOCK_SIZE = 4
 DEFAULT_BLOCK_SIZE = 256
@@ -257,6 +256,33 @@ class CompileChoice:
 
 
 @dataclass(frozen=True)
+class QuantSummary:
+    """What runs quantized (setup/quantize.py and setup/gguf_quant.py fill it in): plain JSON in
+    `resolved_config.as_dict()`."""
+
+    method: str  # "int8", "int4-g32", ... or "gguf"
+    quantized_layers: int
+    formats: tuple[tuple[str, int], ...]  # (format, layers), e.g. ("Q4_1", 210)
+    float_layers: tuple[tuple[str, int], ...]  # (why left float, layers)
+    packed_bytes: int  # resident bytes of the quantized layers' codes, scales and mins
+    float32_bytes: int  # what the same weights take in float32
+    embedding: str | None = None  # the packed embedding's format ("Q8_0", "int8, shared with the tied head")
+    resident_bytes: int = 0  # every parameter and buffer of the model, each storage counted once
+    tiled_layers: int = 0  # quantized layers in 16-output tiles, run by the integer (AVX-512 VNNI) kernels
+    integer_kernels: bool = False  # whether the C++ library has those kernels here
+
+    def describe(self) -> str:
+        formats = ", ".join(f"{n} {f}" for f, n in self.formats) or "none"
+        left = "".join(f"; {n} left float ({why})" for why, n in self.float_layers)
+        embedding = f"packed ({self.embedding})" if self.embedding else "float"
+        kernels = (f"{self.tiled_layers} in 16-output tiles for the integer kernels" if self.integer_kernels
+                   else "no integer kernels here (AVX-512 VNNI): float kernels")
+        return (f"quantization={self.method}: {self.quantized_layers} linear layers quantized ({formats}; {kernels}), "
+                f"{self.packed_bytes / 2**20:.1f} MiB packed (float32: {self.float32_bytes / 2**20:.1f} MiB), "
+                f"embedding {embedding}, weights resident {self.resident_bytes / 2**20:.1f} MiB{left}")
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
     """The values actually in force, after every sentinel is solved."""
 
@@ -292,7 +318,7 @@ class ResolvedConfig:
     decode_compile: CompileChoice | None = None  # None: eager
     varlen_compile: CompileChoice | None = None
     cpu: CpuPlan | None = None  # the CPU kernels in force: linear, norm, rotary, layer and prefill choices
-    quantization: QuantSummary | None = None  # quantized linear layers (setup/quantize.py), or None: float
+    quantization: QuantSummary | None = None  # quantized linear layers, or None: float
     return_logprobs: bool = False
     speculative: SpeculativeConfig | None = None  # in force, or None
     max_loras: int = 4  # LoRA adapters resident at once (docs/lora.md)

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine.detokenizer import IncrementalDetokenizer
+    from .detokenizer import IncrementalDetokenizer
     from .sampling.grammar import GrammarState
     from .sampling.params import SamplingParams
 

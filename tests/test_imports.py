@@ -1,9 +1,11 @@
 """The package's import graph has no circles: neither between modules nor between subpackages.
 
 Read from the source with `ast` (nothing is imported): every `import` and `from ... import`,
-at module level or inside a function, counts; only imports under `if TYPE_CHECKING:` do not
-(they never run). A circle between modules means neither can be read, tested or replaced
-alone; a circle between subpackages means the layers of docs/architecture.md are not layers.
+at module level or inside a function, counts. A circle between modules means neither can be
+read, tested or replaced alone; a circle between subpackages means the layers of
+docs/architecture.md are not layers. Imports under `if TYPE_CHECKING:` never run, but a type
+named from a higher layer ties the layers for a reader all the same: the subpackage check
+counts them too.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules `name` imports (a `from pkg import mod` names the module)."""
+def imports(name: str, path: Path, known: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The package's modules `name` imports (a `from pkg import mod` names the module); those
+    under `if TYPE_CHECKING:` only with `type_checking`."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if type_checking else _type_checking_nodes(tree)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -55,9 +58,9 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return {t for t in found if t in known and t != name}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(type_checking: bool = False) -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {name: imports(name, path, known, type_checking) for name, path in known.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -118,7 +121,7 @@ def test_no_module_imports_in_a_circle():
 def test_no_subpackages_import_in_a_circle():
     edges: dict[str, set[str]] = defaultdict(set)
     witness: dict[tuple[str, str], str] = {}
-    for module, targets in graph().items():
+    for module, targets in graph(type_checking=True).items():
         for target in targets:
             a, b = subpackage(module), subpackage(target)
             if a != b:
@@ -139,3 +142,4 @@ def test_the_walker_finds_a_circle(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from x import y\nimport z\n")
     assert imports("m", src, {"m": src, "x.y": src, "z": src}) == {"z"}
+    assert imports("m", src, {"m": src, "x.y": src, "z": src}, type_checking=True) == {"x.y", "z"}

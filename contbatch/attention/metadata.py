@@ -1,22 +1,23 @@
-"""The one object that carries a step's layout into the model's forward.
+"""The one object that carries a step's layout into the model's forward, and the protocol of
+the attention backends that read it.
 
-Built once per step by the runner (`runtime/step_runner.py`), passed to `model(...)` as the
-`step_metadata` keyword, which `transformers` forwards untouched to every attention call.
-Every backend reads the same fields; what one backend derives for itself (the CPU backend's
-decode groups) it computes once in `prepare` and finds in `prepared`, shared by all layers.
+`StepMetadata` is built once per step by the runner (`runtime/step_runner.py`), passed to
+`model(...)` as the `step_metadata` keyword, which `transformers` forwards untouched to every
+attention call. Every backend (`AttentionBackend`) takes the same fields and answers two
+calls: `prepare(host, cache)`, once per step on the host copies, and `attend`, once per layer;
+what one backend derives for itself (the CPU backend's decode groups) it computes once in
+`prepare` and finds in `prepared`, shared by all layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..cache.paged_cache import PagedAttentionCache
-
-if TYPE_CHECKING:
-    from .base import AttentionBackend
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None,
@@ -65,6 +66,26 @@ class StepMetadata:
     lora: object = None  # LoRA rows grouped by adapter slot (lora/segments.py's LoraStep), None: no adapter row
     recurrent: object = None  # the step's requests for recurrent mixers (recurrent.py's RecurrentStep), None: none
     positions: torch.Tensor | None = None  # [T] int64: each token's position in its sequence
+
+
+# (q, k_cache, v_cache, meta, scale, window, softcap) plus `sinks=` where the model has them and
+# `chunk=` for layers of chunked local attention (the cache layout's `LayerKV.chunk`).
+Kernel = Callable[..., torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    name: str
+    fast_decode: bool  # decode-only steps take a kernel of their own
+    kv_keyed: bool  # the launch takes the longest key length from the host (flash-attn)
+    # Triton's varlen kernel runs one program per query tile; these size and fill the tile map.
+    varlen_tiles: Callable[[torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]] | None
+    max_varlen_tiles: Callable[[int, int], int] | None
+
+    def prepare(self, host: dict[str, torch.Tensor], cache: PagedAttentionCache) -> object: ...
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata, layer: int,
+               scaling: float, sliding_window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def cache_layer(meta: StepMetadata, layer_idx: int) -> int:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import AttentionBackend, Kernel, KernelBackend
+from .kernel_backend import KernelBackend
+from .metadata import AttentionBackend, Kernel
 
 KERNEL_BACKENDS = ("triton", "flash", "reference")  # kernels that walk the block tables
 GRAPH_BACKENDS = ("triton", "flash")  # no host syncs inside the forward

@@ -19,25 +19,26 @@ from concurrent.futures import Future
 import torch
 
 from ..attention.paged import attach, detach
-from ..cpu.routers import CpuRouters
-from .control import CONTROL, AdminLock, EngineControl
-from .adapter_api import AdapterControl, EngineAdapters
 from ..cache.paged_cache import PagedAttentionCache
 from ..config import ContinuousBatchingConfig, ResolvedConfig
+from ..cpu.routers import CpuRouters
 from ..requests import GenerationOutput, RequestState, RequestStatus
+from ..runtime.core import EngineCore
+from ..runtime.step_runner import RunnerFailure
 from ..sampling.params import SamplingParams
 from ..sampling.structured import StructuredOutput
 from ..scheduling.scheduler import Scheduler
-from ..runtime.core import EngineCore
-from ..runtime.step_runner import RunnerFailure
 from ..setup.build import build_engine
+from ..setup.loading import load_draft
 from ..setup.resolve import describe
+from ..speculative.speculator import make_speculator
+from .adapter_api import AdapterControl, EngineAdapters
+from .control import CONTROL, AdminLock, EngineControl
 from .results import ResultStore
 from .stopping import stop_defaults
 from .submission import RequestBuilder, prefix_order
-from .warmup import warm_up
-from ..speculative.speculator import make_speculator
 from .threads import release_openmp_pool
+from .warmup import warm_up
 
 logger = logging.getLogger("contbatch")
 
@@ -45,13 +46,8 @@ _IDLE_POLL_S = 0.05
 
 
 class ContinuousBatchingManager(EngineControl, AdapterControl):
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        generation_config=None,
-        config: ContinuousBatchingConfig | None = None,
-        tokenizer=None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, generation_config=None, config: ContinuousBatchingConfig | None = None,
+                 tokenizer=None) -> None:
         self.model = model
         built = build_engine(model, config, self._publish)  # a model it cannot run exactly: ValueError
         self.config = built.config
@@ -64,7 +60,7 @@ class ContinuousBatchingManager(EngineControl, AdapterControl):
         self.core: EngineCore | None = built.core
         r = self.resolved_config
         if r.speculative is not None:
-            self.core.speculator = make_speculator(r.speculative, model, r)
+            self.core.speculator = make_speculator(r.speculative, r, load_draft(r.speculative, model))
         self._inbox: queue.Queue = queue.Queue()
         self._results = ResultStore()
         self._samples: dict[str, list[str]] = {}  # parent id -> ids of its n > 1 samples

@@ -15,10 +15,10 @@ import torch
 
 from ..cache.block_manager import blocks_for
 from ..config import ResolvedConfig
+from ..detokenizer import IncrementalDetokenizer
 from ..requests import RequestState
 from ..sampling.grammar import GrammarCompiler
 from ..sampling.params import SamplingParams, is_integer
-from .detokenizer import IncrementalDetokenizer
 from .stopping import StopDefaults
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,10 +28,8 @@ from ..sampling.grammar import GrammarRejected, wait_for_grammars
 from ..scheduling.scheduler import SCHEDULER_MAPPING, StepPlan
 from .step_batch import build_step_batch
 from .machinery import build_machinery
+from .proposer import Proposer
 from .step_runner import InFlight
-
-if TYPE_CHECKING:
-    from ..speculative.speculator import Speculator
 
 logger = logging.getLogger("contbatch")
 
@@ -55,9 +52,7 @@ class EngineCore:
         )
         self.runner = machinery.runner  # a tensor-parallel driver wraps it (distributed/steps.py)
         self.async_batching = r.use_async_batching
-        # Speculative decoding's proposer, set by whoever builds the engine (the manager): this
-        # package only calls it (propose, record, forget, close, stats).
-        self.speculator: Speculator | None = None
+        self.speculator: Proposer | None = None  # speculative decoding's, set by the manager
         self.speculation_error: str | None = None  # why speculation was turned off mid-run
         self.inflight: InFlight | None = None  # async: the step whose tokens are not applied yet
         self.steps = 0

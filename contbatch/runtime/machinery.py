@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.metadata import AttentionBackend
 from ..attention.select import load_backend
-from ..attention.base import AttentionBackend
 from ..attention.recurrent import recurrent_mixers
 from ..cache.paged_cache import KVLayout, PagedAttentionCache
 from ..cache.recurrent_state import RecurrentStateCache

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..attention.base import AttentionBackend
-from ..attention.metadata import StepMetadata
+from ..attention.metadata import AttentionBackend, StepMetadata
 from .. import context
 from ..attention.paged import ENGINE_MASK
 from ..cache.paged_cache import PagedAttentionCache

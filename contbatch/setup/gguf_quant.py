@@ -28,11 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import QuantSummary
 from ..cpu import native, ops
 from ..cpu.quant.format import BLOCK, PackedWeight, QuantFormat, dequantize, symmetric_mins
 from ..cpu.quant.linear import QuantLinear
-from .quantize import (QuantSummary, linear_layers, plain_embedding, record, share_tied_table, summary_of, swap,
-                       swap_embedding, tied_embedding)
+from .quantize import (linear_layers, plain_embedding, record, share_tied_table, summary_of, swap, swap_embedding,
+                       tied_embedding)
 
 logger = logging.getLogger("contbatch")
 

@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from .. import cachefiles  # noqa: E402
+from ..config import SpeculativeConfig  # noqa: E402
 from ..paths import cache_dir  # noqa: E402
 
 logger = logging.getLogger("contbatch")
@@ -200,6 +201,27 @@ def load_model(
                     "1): loading the model whole")
     model, tokenizer = _load(name_or_path, dtype)
     return model.to(device), tokenizer
+
+
+def load_draft(spec: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module | None:
+    """The draft model of speculative decoding with a draft model (None for other methods): the
+    module given, or the checkpoint `spec.model` names loaded as `load_model` loads any, on the
+    target's device and dtype. Refused at start when it cannot share the target's token ids
+    (a different vocabulary size)."""
+    if spec.method != "draft_model":
+        return None
+    param = next(target.parameters())
+    if isinstance(spec.model, torch.nn.Module):
+        draft = spec.model
+    else:
+        draft, _ = load_model(spec.model, dtype=param.dtype, device=str(param.device))
+    draft = draft.to(device=param.device, dtype=param.dtype).eval()
+    vocab = draft.get_input_embeddings().num_embeddings
+    target_vocab = target.get_input_embeddings().num_embeddings
+    if vocab != target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({vocab} tokens) differs from the target's ({target_vocab}): "
+                         "a draft must use the target's tokenizer")
+    return draft
 
 
 def _load_quantized(name_or_path, dtype: torch.dtype, quantization: str):

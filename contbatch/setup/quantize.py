@@ -20,10 +20,10 @@ its lookups) keeps a float table.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from ..config import QuantSummary
 from ..cpu import ops
 from ..cpu.quant.embedding import QuantEmbedding
 from ..cpu.quant.format import BLOCK, PackedWeight, format_for, quantize
@@ -33,32 +33,6 @@ logger = logging.getLogger("contbatch")
 
 ATTRIBUTE = "contbatch_quantization"
 METHODS = ("int8", "int4", "int4-g32", "int4-g128")
-
-
-@dataclass(frozen=True)
-class QuantSummary:
-    """What runs quantized: plain JSON in `resolved_config.as_dict()`."""
-
-    method: str  # "int8", "int4-g32", ... or "gguf"
-    quantized_layers: int
-    formats: tuple[tuple[str, int], ...]  # (format, layers), e.g. ("Q4_1", 210)
-    float_layers: tuple[tuple[str, int], ...]  # (why left float, layers)
-    packed_bytes: int  # resident bytes of the quantized layers' codes, scales and mins
-    float32_bytes: int  # what the same weights take in float32
-    embedding: str | None = None  # the packed embedding's format ("Q8_0", "int8, shared with the tied head")
-    resident_bytes: int = 0  # every parameter and buffer of the model, each storage counted once
-    tiled_layers: int = 0  # quantized layers in 16-output tiles, run by the integer (AVX-512 VNNI) kernels
-    integer_kernels: bool = False  # whether the C++ library has those kernels here
-
-    def describe(self) -> str:
-        formats = ", ".join(f"{n} {f}" for f, n in self.formats) or "none"
-        left = "".join(f"; {n} left float ({why})" for why, n in self.float_layers)
-        embedding = f"packed ({self.embedding})" if self.embedding else "float"
-        kernels = (f"{self.tiled_layers} in 16-output tiles for the integer kernels" if self.integer_kernels
-                   else "no integer kernels here (AVX-512 VNNI): float kernels")
-        return (f"quantization={self.method}: {self.quantized_layers} linear layers quantized ({formats}; {kernels}), "
-                f"{self.packed_bytes / 2**20:.1f} MiB packed (float32: {self.float32_bytes / 2**20:.1f} MiB), "
-                f"embedding {embedding}, weights resident {self.resident_bytes / 2**20:.1f} MiB{left}")
 
 
 def summary_of(model: torch.nn.Module) -> QuantSummary | None:

@@ -20,14 +20,12 @@ import time
 import numpy as np
 import torch
 
-from ..attention.select import load_backend
 from ..attention.paged import attach, detach, is_attached
-from ..cache.paged_cache import KVLayout, PagedAttentionCache
+from ..cache.paged_cache import KVLayout
 from ..cpu.plan import plan_cpu
 from ..cpu.routers import CpuRouters
-from ..runtime.buckets import Bucketing
+from ..runtime.machinery import build_machinery
 from ..runtime.step_batch import build_step_batch
-from ..runtime.step_runner import StepRunner
 from ..requests import RequestState, RequestStatus
 from ..sampling.params import SamplingParams
 from ..scheduling.scheduler import ScheduledChunk, StepPlan
@@ -36,25 +34,6 @@ from ..config import SpeculativeConfig
 logger = logging.getLogger("contbatch")
 
 _GREEDY = SamplingParams(temperature=0.0)
-
-
-def load_draft(spec, target: torch.nn.Module) -> torch.nn.Module:
-    """The draft module on the target's device and dtype; refused at start when it cannot
-    share the target's token ids (different vocabulary size)."""
-    param = next(target.parameters())
-    if isinstance(spec, torch.nn.Module):
-        draft = spec
-    else:
-        from ..setup.loading import load_model
-
-        draft, _ = load_model(spec, dtype=param.dtype, device=str(param.device))
-    draft = draft.to(device=param.device, dtype=param.dtype).eval()
-    vocab = draft.get_input_embeddings().num_embeddings
-    target_vocab = target.get_input_embeddings().num_embeddings
-    if vocab != target_vocab:
-        raise ValueError(f"the draft model's vocabulary ({vocab} tokens) differs from the target's ({target_vocab}): "
-                         "a draft must use the target's tokenizer")
-    return draft
 
 
 def _cpu_routers(draft: torch.nn.Module, r) -> CpuRouters:
@@ -71,18 +50,12 @@ def _cpu_routers(draft: torch.nn.Module, r) -> CpuRouters:
 
 
 class DraftProposer:
-    def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, resolved) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: torch.nn.Module, resolved) -> None:
         r = resolved
-        self.model = load_draft(config.model, target)
+        self.model = draft  # on the target's device and dtype (setup/loading.py's load_draft)
         self.layout = KVLayout.from_model_config(self.model.config, next(self.model.parameters()).dtype)
-        self.cache = PagedAttentionCache(self.layout, r.num_blocks, r.block_size, r.device, False, "lru",
-                                         token_major=r.kv_layout == "token-major")
-        backend = load_backend(r.attention_backend, r.decode_fast_path, r.block_size,
-                               bool(r.cpu and r.cpu.prefill))
-        bucketing = Bucketing(r.max_requests_per_batch, r.q_padding_interval_size, r.kv_padding_interval_size,
-                              backend.max_varlen_tiles, backend.kv_keyed, fast_decode=backend.fast_decode)
-        self.runner = StepRunner(self.model, self.cache, backend, bucketing, r.max_batch_tokens,
-                                 r.max_blocks_per_request, num_slots=1, graphs=None)
+        machinery = build_machinery(self.model, r, self.layout, primary=False)  # one slot, eager, unshared
+        self.cache, self.runner = machinery.cache, machinery.runner
         self.max_batch_tokens = r.max_batch_tokens
         self.shadows: dict[str, RequestState] = {}
         self._saved_attn: str | None = None

@@ -136,11 +136,12 @@ class Speculator:
         }
 
 
-def make_speculator(config: SpeculativeConfig, model, resolved) -> Speculator:
-    """The engine's speculator; a draft model gets its own paged cache and runner."""
+def make_speculator(config: SpeculativeConfig, resolved, draft_model=None) -> Speculator:
+    """The engine's speculator; a draft model (method "draft_model": `draft_model` loaded,
+    setup/loading.py's `load_draft`) gets its own paged cache and runner."""
     draft = None
     if config.method == "draft_model":
         from .draft import DraftProposer
 
-        draft = DraftProposer(config, model, resolved)
+        draft = DraftProposer(config, draft_model, resolved)
     return Speculator(config, draft)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..faults import inject
+from .faults import inject
 
 REPLACEMENT = "\ufffd"
 
