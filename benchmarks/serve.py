@@ -181,7 +181,8 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
           f"load average before: {monitor.before[0]:.2f}", flush=True)
     monitor.warn_if_loaded()
     checks = check_servers(servers, names, requests, args)
-    ceilings = [serve_launch.measure_ceilings(args.reference_model)]
+    ceilings = [serve_launch.measure_ceilings(args.reference_model, args.dtype)]
+    read = {label: serve_launch.read_bytes(srv) for label, srv in launched.items()}
 
     def system(name: str):
         def run() -> H.Sample:
@@ -193,7 +194,7 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
 
     samples = H.run_interleaved({n: system(n) for n in servers}, args.repeats, warmup=not args.no_warmup,
                                 worker=False, log=lambda s: print(s, flush=True))
-    ceilings.append(serve_launch.measure_ceilings(args.reference_model))
+    ceilings.append(serve_launch.measure_ceilings(args.reference_model, args.dtype))
     load = monitor.stop()
     print("\n" + H.load_line(load))
 
@@ -225,7 +226,9 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
             for key, pct in (("ttft", "p50_ms"), ("ttft", "p99_ms"), ("tpot", "p50_ms")):
                 sp = spread(name, level, key, pct)
                 cells.append(sp.fmt(".0f") if sp and ok else "-")
-            mm_floor, wr_floor = serve_launch.floors(ceilings, samples[name][0].extra["levels"][level])
+            own = read.get(name)
+            mm_floor, wr_floor = serve_launch.floors(ceilings, samples[name][0].extra["levels"][level],
+                                                     own[0] if own else None)
             tpot = spread(name, level, "tpot")
             cells.append(f"{tput.median / mm_floor:.0%}" if tput and ok else "-")
             cells.append(f"{1000 / tpot.median / wr_floor:.0%}" if tpot and ok else "-")
@@ -251,10 +254,10 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
     md += ["Servers: " + ", ".join(f"{n} at {u} (model `{names[n]}`)" for n, u in servers.items()) + ". "
            f"{workload}, {args.endpoint}, streaming, temperature {args.temperature}; {args.repeats} timed passes per "
            f"server, interleaved, after one untimed warm-up pass each.\n", table]
-    md += [serve_launch.ceilings_line(ceilings)] + serve_launch.sweep_markdown(sweeps)
+    md += [serve_launch.ceilings_line(ceilings, read)] + serve_launch.sweep_markdown(sweeps)
     report = {"benchmark": "serve-compare", "command": H.command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine": machine, "load": load, "servers": servers, "checks": checks, "rows": rows, "sweeps": sweeps,
-              "ceilings": ceilings,
+              "ceilings": ceilings, "weight_bytes_read": {n: r[0] for n, r in read.items() if r},
               "launched": {n: {"system": s.system, "setting": s.setting, "startup_s": s.startup_s, "log": str(s.log)}
                            for n, s in launched.items()},
               "runs": {n: [s.extra["levels"] for s in ss] for n, ss in samples.items()}}

@@ -113,22 +113,48 @@ def measure_ceilings(reference_model: str, dtype: str = "float32") -> dict:
     return out
 
 
-def floors(ceilings: list[dict], level: dict) -> tuple[float, float]:
+def read_bytes(server: servers.Server) -> tuple[int, str] | None:
+    """(bytes, what they are) of the weights one decode step of `server` reads, where they are
+    not the reference model's at the run's dtype: a GGUF file's tensors where the server loads
+    one (llama.cpp always; contbatch with `quant=Q8_0`, `Q4_0`, ...), the packed model's resident
+    weights where contbatch quantizes at load (`quant=int8`, `int4`, ...). None: the reference's."""
+    quant = str(server.setting.get("quant") or "")
+    if server.system == "llamacpp":
+        quant = quant or knobs.LLAMA_DEFAULTS["quant"]
+    if not quant:
+        return None
+    if server.system == "contbatch" and quant.lower() in servers.QUANTIZE_AT_LOAD:
+        from contbatch.setup.loading import load_model
+        from contbatch.setup.quantize import summary_of
+
+        model, _ = load_model(str(paths.model_dir(server.name)), quantization=quant.lower())
+        return summary_of(model).resident_bytes, f"{quant} packed at load"
+    from gguf import GGUFReader
+
+    path = paths.gguf_path(server.name, quant)
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors), f"the {quant.upper()} GGUF's tensors"
+
+
+def floors(ceilings: list[dict], level: dict, weight_bytes: int | None = None) -> tuple[float, float]:
     """(matmul floor in output tok/s for this level's tokens, weight-read floor of one stream in
-    tok/s), at the median of the ceilings measured in the run."""
+    tok/s: `weight_bytes`, or the reference model's, at the read bandwidth), at the median of the
+    ceilings measured in the run."""
     rate = statistics.median(c["matmul_gflops"] for c in ceilings) * 1e9
     bw = statistics.median(c["weight_read_gb_s"] for c in ceilings) * 1e9
     c0 = ceilings[0]
     tokens = level["total_input_tokens"] + level["total_output_tokens"]
     matmul = level["total_output_tokens"] / (2 * c0["non_embedding_params"] * tokens / rate) if tokens else math.nan
-    return matmul, bw / c0["weight_bytes"]
+    return matmul, bw / (weight_bytes or c0["weight_bytes"])
 
 
-def ceilings_line(ceilings: list[dict]) -> str:
+def ceilings_line(ceilings: list[dict], read: dict[str, tuple[int, str] | None] | None = None) -> str:
+    """The run's ceilings and how the floors are made; `read`: `read_bytes` of each server."""
     g = [c["matmul_gflops"] for c in ceilings]
     b = [c["weight_read_gb_s"] for c in ceilings]
+    own = "; ".join(f"{name} {n / 1e6:.0f} MB ({what})" for name, r in (read or {}).items() if r for n, what in [r])
     return (f"Ceilings measured in this run (before and after the timed rounds): matmul {min(g):.1f}-{max(g):.1f} "
             f"GFLOP/s, weight read {min(b):.1f}-{max(b):.1f} GB/s ({ceilings[0]['weight_bytes'] / 1e6:.0f} MB, "
             f"{ceilings[0]['weight_reader']}). Of matmul floor: output tok/s over 2 x non-embedding params x "
-            f"(prompt + output tokens) at that rate; decode of weight-read floor: 1000 / TPOT p50 over weight bytes / "
-            f"bandwidth (the one-stream bound).\n")
+            f"(prompt + output tokens) at that rate; decode of weight-read floor: 1000 / TPOT p50 over the bytes of "
+            f"weights a decode step reads / bandwidth (the one-stream bound)"
+            + (f": {own}; the others the reference model's" if own else "") + ".\n")

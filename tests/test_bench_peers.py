@@ -206,6 +206,35 @@ def test_server_floors_come_from_the_ceilings_measured_in_the_run():
     assert "10.0-30.0 GFLOP/s" in serve_launch.ceilings_line([ceil, dict(ceil, matmul_gflops=30.0)])
 
 
+def test_a_quantized_server_is_read_against_the_bytes_of_its_own_file(work):
+    """The one-stream floor of a server that loads a GGUF at a quant type is its file's tensor
+    bytes, not the float reference's; a float contbatch server keeps the reference's."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = paths.gguf_path("smollm2-135m", "Q4_0")
+    path.parent.mkdir(parents=True)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("a", np.zeros((4, 8), dtype=np.float32))  # 128 bytes
+    writer.add_tensor("b", np.zeros(16, dtype=np.float32))  # 64 bytes
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+
+    def server(system, **setting):
+        return servers.Server(system, setting, "http://127.0.0.1:1/v1", "smollm2-135m", None, work / "log")
+
+    assert serve_launch.read_bytes(server("llamacpp", np=32, quant="Q4_0")) == (192, "the Q4_0 GGUF's tensors")
+    assert serve_launch.read_bytes(server("contbatch", quant="q4_0"))[0] == 192
+    assert serve_launch.read_bytes(server("contbatch")) is None and serve_launch.read_bytes(server("vllm")) is None
+    ceil = {"matmul_gflops": 10.0, "weight_read_gb_s": 2.0, "weight_bytes": 500_000_000, "non_embedding_params": 10**8,
+            "weight_reader": "sum"}
+    level = {"total_input_tokens": 300, "total_output_tokens": 100}
+    assert serve_launch.floors([ceil], level, 100_000_000)[1] == pytest.approx(20.0)  # 2 GB/s over 100 MB
+    line = serve_launch.ceilings_line([ceil], {"llamacpp": (90_000_000, "the Q4_0 GGUF's tensors"), "vllm": None})
+    assert "llamacpp 90 MB (the Q4_0 GGUF's tensors); the others the reference model's" in line
+
+
 def test_external_engine_is_posted_with_its_token_check_but_ours_is_not():
     wl = Workload("fixed", "text", [[1, 2, 3]], [2])
     wl.reference = [[5, 6]]
