@@ -20,6 +20,7 @@ from .metadata import Kernel, StepMetadata, layer_chunk
 if TYPE_CHECKING:
     from ..cache.paged_cache import PagedAttentionCache
 
+
 @dataclass(frozen=True)
 class KernelBackend:
     name: str
