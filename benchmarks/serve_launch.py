@@ -151,7 +151,7 @@ def ceilings_line(ceilings: list[dict], read: dict[str, tuple[int, str] | None] 
     """The run's ceilings and how the floors are made; `read`: `read_bytes` of each server."""
     g = [c["matmul_gflops"] for c in ceilings]
     b = [c["weight_read_gb_s"] for c in ceilings]
-    own = "; ".join(f"{name} {n / 1e6:.0f} MB ({what})" for name, r in (read or {}).items() if r for n, what in [r])
+    own = "; ".join(f"{name} {r[0] / 1e6:.0f} MB ({r[1]})" for name, r in (read or {}).items() if r)
     return (f"Ceilings measured in this run (before and after the timed rounds): matmul {min(g):.1f}-{max(g):.1f} "
             f"GFLOP/s, weight read {min(b):.1f}-{max(b):.1f} GB/s ({ceilings[0]['weight_bytes'] / 1e6:.0f} MB, "
             f"{ceilings[0]['weight_reader']}). Of matmul floor: output tok/s over 2 x non-embedding params x "
