@@ -29,6 +29,7 @@ def test_one_knob_replaces_the_six_fields():
                                  dict(cpu_kernel_overrides={"linear": "mkl"}),
                                  dict(cpu_kernel_overrides={"linear_prepack": 1}),
                                  dict(cpu_kernel_overrides={"layer": True}),
+                                 dict(cpu_kernel_overrides={"prefetch": "off"}),
                                  dict(cpu_kernel_overrides=["linear"])])
 def test_bad_knobs_are_refused_when_the_config_is_built(bad):
     with pytest.raises(ValueError, match="cpu_kernel"):
@@ -76,10 +77,11 @@ def test_off_plans_pytorch_ops_everywhere_and_says_so(llama_model):
     assert plan.norm.classes == () and plan.rotary.modules == () and plan.layer.layers == ()
     assert "as asked" in plan.linear.summary and "as asked" in plan.layer.summary
     assert not plan.pages.move and plan.pages.nbytes == 0  # no kernel of ours streams a weight
+    assert plan.prefetch.distances() == {} and "no one-row weight streams" in plan.prefetch.summary
     assert plan.describe().startswith("cpu_kernels=off: prefill_kernel=False; linear: aten (as asked)")
     cpu = r.as_dict()["cpu"]
     json.dumps(cpu)  # resolved_config.as_dict() is printed as JSON by `contbatch serve`
-    assert set(cpu) == {"knobs", "linear", "norm", "rotary", "layer", "prefill", "pages"}
+    assert set(cpu) == {"knobs", "linear", "norm", "rotary", "layer", "prefill", "pages", "prefetch"}
 
 
 @pytest.mark.skipif(not native.load()[0], reason="our C++ kernels cannot be built here")

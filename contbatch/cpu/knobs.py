@@ -12,7 +12,9 @@ comparison with the module it replaces); `"off"` keeps PyTorch's own ops everywh
 - `norm`: `"auto"` or `"off"` (the fused RMSNorm, or the module's own forward);
 - `rotary`: `"auto"` or `"off"` (the fused rotary embedding);
 - `layer`: `"auto"`, `"layer"` or `"off"` (decoder layers as one call; `"layer"`: no stack);
-- `prefill`: `"auto"` or `"off"` (prompt chunks' attention in our kernel, or SDPA).
+- `prefill`: `"auto"` or `"off"` (prompt chunks' attention in our kernel, or SDPA);
+- `prefetch`: `"auto"`, `"ahead"` or `"none"` (whether the one-row kernels ask for their weight
+  streams ahead: measured per machine, always, never; `prefetch.py`).
 
 "off" always means "not ours: PyTorch's own code"; `"aten"` is one of the linear kernels the
 router chooses between.
@@ -38,6 +40,7 @@ OVERRIDES: dict[str, tuple] = {
     "rotary": ("auto", "off"),
     "layer": ("auto", "layer", "off"),
     "prefill": ("auto", "off"),
+    "prefetch": ("auto", "ahead", "none"),
 }
 # The kernels put on a model's modules (the routers), as opposed to the attention's prefill
 # kernel, which the attention backend runs.
@@ -113,6 +116,7 @@ class CpuKnobs:
     rotary: str = "auto"
     layer: str = "auto"
     prefill: str = "auto"
+    prefetch: str = "auto"
 
     @classmethod
     def from_config(cls, cpu_kernels: str, overrides: Mapping | None = None) -> "CpuKnobs":

@@ -86,6 +86,16 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.contbatch_cpu.small_linear(x, weight, bias)
 
 
+STREAM_KINDS = ("float", "packed")  # the weight streams whose prefetch distance is set apart
+
+
+def stream_prefetch(kind: str, distance: int | None = None) -> int:
+    """The bytes ahead that one-row kernels ask for a weight stream of `kind` (`STREAM_KINDS`:
+    `small_linear`'s float rows, the tiled packed kernels'), 0 for not at all; with `distance`
+    (a multiple of 64) set for the whole process. Returns the distance in force before."""
+    return torch.ops.contbatch_cpu.stream_prefetch(STREAM_KINDS.index(kind), -1 if distance is None else distance)
+
+
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """A float32 [out, in] weight as `panel_linear` reads it: [ceil(out / 32), in, 32], panels of
     32 output features, each input feature's 32 weights one contiguous run (a copy)."""

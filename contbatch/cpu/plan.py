@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .knobs import CpuKnobs
+from .prefetch import PrefetchPlan, plan_prefetch
+from .quant.linear import QuantLinear
 from .routers.layer import LayerPlan, plan_layer
 from .routers.linear import LinearPlan, one_row_weights, plan_linear
 from .routers.norm import NormPlan, plan_norm
@@ -35,6 +38,7 @@ class CpuPlan:
     layer: LayerPlan | None = None  # the decoder layers run as one call (None: not on the CPU, or not planned)
     prefill: bool = False  # the torch backend's prompt chunks attend in our C++ kernel (else SDPA)
     pages: PagesPlan | None = None  # the weights a decode step streams, on 2 MiB pages (None: not on the CPU)
+    prefetch: PrefetchPlan | None = None  # whether one-row kernels ask for those streams ahead (None: not on the CPU)
 
     def describe(self, prefill: bool = True) -> str:
         """One line for the start-up log; `prefill`: say what the prefill attention runs (on the
@@ -42,7 +46,7 @@ class CpuPlan:
         parts = [f"prefill_kernel={self.prefill}"] if prefill else []
         parts.append(f"linear: {self.linear.summary}")
         for name, plan in (("rms_norm", self.norm), ("rotary", self.rotary), ("layer", self.layer),
-                           ("weights", self.pages)):
+                           ("weights", self.pages), ("prefetch", self.prefetch)):
             if plan is not None:
                 parts.append(f"{name}: {plan.summary}")
         return f"cpu_kernels={self.knobs.describe()}: " + "; ".join(parts)
@@ -58,8 +62,19 @@ def plan_cpu(model: torch.nn.Module, knobs: CpuKnobs, *, prefill: bool = False, 
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
         return CpuPlan(knobs, linear, prefill=prefill)
-    pages = plan_pages(decode_weights(model, one_row_weights(model, linear)))
+    one_row = one_row_weights(model, linear)
+    pages = plan_pages(decode_weights(model, one_row))
+    prefetch = plan_prefetch(stream_kinds(model, one_row), knobs.prefetch, pages.move)
     norm = plan_norm(model, knobs.norm)
     rotary = plan_rotary(model, knobs.rotary)
     layer = plan_layer(model, knobs.layer, linear, norm, rotary, decode_kernel, eager_paths) if layers else None
-    return CpuPlan(knobs, linear, norm, rotary, layer, prefill, pages)
+    return CpuPlan(knobs, linear, norm, rotary, layer, prefill, pages, prefetch)
+
+
+def stream_kinds(model: torch.nn.Module, one_row: list[torch.Tensor]) -> tuple[str, ...]:
+    """The kinds of weight stream (`ops.STREAM_KINDS`) our one-row kernels read in `model`'s
+    steps: float linears the router may put on `small_linear` (`one_row`), tiled packed ones."""
+    if not native.load()[0]:
+        return ()
+    packed = any(isinstance(m, QuantLinear) and m.fmt.tiled for m in model.modules())
+    return (*(("float",) if one_row else ()), *(("packed",) if packed else ()))

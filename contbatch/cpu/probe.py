@@ -49,7 +49,7 @@ FOREIGN_LIMIT = 0.25  # CPUs other processes may keep busy while we probe for th
 
 
 @functools.cache
-def _machine() -> str:
+def machine() -> str:
     """The probe file's name: our kernels' build key (sources, torch, CPU flags), the CPU model
     and the probe's own version (PROBE_VERSION: files of earlier probes, which saved timings
     taken under foreign load, are left behind)."""
@@ -86,7 +86,7 @@ class ProbeStore:
 
     def get(self, key: str) -> dict[str, float] | None:
         if self.path is None:
-            self.path = cache_dir() / "linear_probe" / f"{_machine()}.json"
+            self.path = cache_dir() / "linear_probe" / f"{machine()}.json"
             loaded = self._read(warn=True)  # an absent, empty or damaged file probes as before
             self.times, self.from_file = {**loaded, **self.times}, set(loaded)
         self.hits += key in self.from_file

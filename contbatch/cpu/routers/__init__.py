@@ -2,7 +2,9 @@
 embeddings and decoder layers on the kernels its `CpuPlan` chose, installed for the life of a
 manager and taken back at its stop, the decoder layers last (their one call runs the others'
 kernels). Installing first moves the weights a decode step streams onto 2 MiB pages where the
-plan says so (`weight_pages.py`; once per model: they stay there after the stop). The manager
+plan says so (`weight_pages.py`; once per model: they stay there after the stop), and sets the
+one-row kernels' prefetch distances the plan measured (`prefetch.py`; the process's, put back
+at the stop). The manager
 does this for the target model, the draft proposer for a draft model's own plan."""
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class CpuRouters(Router):
     def __init__(self, model: torch.nn.Module, plan: CpuPlan | None) -> None:
         self.routers: list[Router] = []
         self.model, self.plan = model, plan
+        self._prefetch_before: dict[str, int] = {}
         if plan is None:
             return
         self.routers.append(LinearRouter(model, plan.linear))
@@ -42,9 +45,13 @@ class CpuRouters(Router):
         if self.plan is not None and self.plan.pages is not None and self.plan.pages.move:
             weights = weight_pages.decode_weights(self.model, one_row_weights(self.model, self.plan.linear))
             weight_pages.move_to_huge_pages(weights, self.model)
+        if self.plan is not None and self.plan.prefetch is not None:
+            self._prefetch_before = self.plan.prefetch.apply()
         for router in self.routers:
             router.install()
 
     def uninstall(self) -> None:
         for router in self.routers:
             router.uninstall()
+        if self.plan is not None and self.plan.prefetch is not None:
+            self.plan.prefetch.restore(self._prefetch_before)
