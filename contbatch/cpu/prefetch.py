@@ -4,14 +4,14 @@ A lone request's decode step streams every weight from memory once, one row agai
 C++ kernels that do it (`small_linear` for float weights, the tiled packed kernels for int8 and
 int4) can ask for each stream's lines 4 KiB ahead (`_mm_prefetch`, csrc/vec.h): the hardware
 prefetcher follows a stream within a 4 KiB page and starts over at the next, and the software
-request keeps the reads going across the border. On the Xeons measured that made a lone decode
-step 1.03-1.27x faster; on an EPYC Zen 4 the same requests slowed every stream down, and the
-step ran 1.14-1.22x faster without them (docs/cpu.md). So each kind of stream
-(`ops.STREAM_KINDS`) that a model's steps run is timed both ways, once per machine: one-row
-products over memory twice the last-level cache (`probe.stream_bytes`, as the linear probe
-streams its weights), on 2 MiB pages where the model's weights move there (`weight_pages.py`),
-in interleaved passes; the requests are dropped where the passes without them are MARGIN
-faster, and kept otherwise. The kernels' values never depend on it, only their speed.
+request keeps the reads going across the border. On some CPUs that makes a lone decode step
+faster; on others the same requests slow every stream down (docs/cpu.md has both machines'
+figures). So each kind of stream (`ops.STREAM_KINDS`) that a model's steps run is timed both
+ways, once per machine: one-row products over memory twice the last-level cache
+(`probe.stream_bytes`, as the linear probe streams its weights), on 2 MiB pages where the
+model's weights move there (`weight_pages.py`), in interleaved passes; the requests are dropped
+where the passes without them are MARGIN faster, and kept otherwise. The kernels' values never
+depend on it, only their speed.
 
 The verdict is kept beside the linear probe's timings (`$CONTBATCH_CACHE/linear_probe/<machine>
 .prefetch.json`; delete it to measure again), except one measured while other processes kept

@@ -28,11 +28,10 @@ namespace contbatch_vec {
 // How far ahead a kernel streaming a weight for one row (packed weights: one or two) asks for
 // it (`_mm_prefetch` into L1), in each of its streams: the hardware prefetcher follows a stream
 // within a 4 KiB page and starts over at the next, and a software request a page on keeps the
-// reads going across the border. That held on the Xeons measured; on an EPYC Zen 4 the same
-// requests slowed the streams down. So the distance is the process's, per kind of weight
-// (kFloatStreams: small_linear's float rows; kPackedStreams: the tiled packed kernels), 0 for
-// none, set by `set_stream_prefetch` from a start-up measurement (cpu/prefetch.py); docs/cpu.md
-// has the figures.
+// reads going across the border. That holds on some CPUs; on others the same requests slow
+// the streams down (docs/cpu.md has the figures). So the distance is the process's, per kind of
+// weight (kFloatStreams: small_linear's float rows; kPackedStreams: the tiled packed kernels),
+// 0 for none, set through the `stream_prefetch` op from a start-up measurement (cpu/prefetch.py).
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kFloatStreams = 0, kPackedStreams = 1;
 inline std::atomic<int64_t>& stream_prefetch(int64_t kind) {
