@@ -55,7 +55,8 @@ class PrefetchPlan:
     summary: str
 
     def distances(self) -> dict[str, int]:
-        return {kind: d for kind, d in zip(ops.STREAM_KINDS, (self.float_streams, self.packed_streams)) if d is not None}
+        pairs = zip(ops.STREAM_KINDS, (self.float_streams, self.packed_streams))
+        return {kind: d for kind, d in pairs if d is not None}
 
     def apply(self) -> dict[str, int]:
         """Set the distances for the process; returns those in force before (for `restore`)."""
@@ -69,8 +70,8 @@ class PrefetchPlan:
 
 def plan_prefetch(kinds: tuple[str, ...], asked: str, huge: bool) -> PrefetchPlan:
     """The distances for the stream kinds a model's one-row steps run (`kinds`), as `asked`
-    (the `prefetch` override: knobs.OVERRIDES); "auto" takes the machine's verdict, measured here the first time (`huge`: time
-    on 2 MiB pages, as the model's weights are)."""
+    (the `prefetch` override: knobs.OVERRIDES); "auto" takes the machine's verdict, measured here
+    the first time (`huge`: time on 2 MiB pages, as the model's weights are)."""
     distances, words = {}, []
     for kind in kinds:
         if asked != "auto":
@@ -117,7 +118,8 @@ def verdict(kind: str, huge: bool) -> tuple[tuple[float, float], bool]:
     _verdicts[kind] = measure(kind, huge)
     foreign = watch.cores()
     if foreign is not None and foreign > probe.FOREIGN_LIMIT:
-        logger.warning("contbatch: one-row prefetch timed while other processes kept %.1f CPUs busy: not saved", foreign)
+        logger.warning("contbatch: one-row prefetch timed while other processes kept %.1f CPUs busy: not saved",
+                       foreign)
     else:
         _save(kind, _verdicts[kind])
     return _verdicts[kind], True
@@ -143,9 +145,7 @@ def _memory(nbytes: int, huge: bool) -> torch.Tensor:
 
 def _float_pass(pool: torch.Tensor) -> Callable[[], None]:
     out, in_ = _SHAPES["float"]
-    weights = pool.view(torch.float32)
-    n = out * in_
-    copies = [weights[i * n:(i + 1) * n].view(out, in_) for i in range(max(1, weights.numel() // n))]
+    copies = probe.copies(pool.view(torch.float32), out, in_)
     for w in copies:  # written: untouched pages all read as one zero page, which the cache keeps
         w.fill_(0.25)
     x = torch.full((1, in_), 0.5)
