@@ -2,10 +2,10 @@
 
 For "did this change slow anything down": each run is a fresh process importing contbatch from
 the tree given (`PYTHONPATH`), on the default model (or `--model`, a local folder or GGUF file),
-the same prompts (64 cut from one text, 16-256 tokens, 64 new tokens each, EOS ignored, greedy),
-warmed up the same way; the systems alternate, `--repeats` rounds, and each row reports its
-median tok/s with [min, max], the load average, and whether every system's tokens equal the
-first one's.
+the same prompts (64 cut from one text, 16-256 tokens or `--prompt-tokens` each, 64 new tokens
+each, EOS ignored, greedy), warmed up the same way; the systems alternate, `--repeats` rounds,
+and each row reports its median tok/s with [min, max], the load average, and whether every
+system's tokens equal the first one's.
 
     git worktree add /tmp/before <commit>
     python benchmarks/ab.py before=/tmp/before after=. --dtype float32 --repeats 3
@@ -39,7 +39,10 @@ for path in ("decode_compile_config", "varlen_compile_config"):  # given as JSON
         kw[path] = CompileConfig(**kw[path])
 model, tok = load_model(model_path or None, dtype=getattr(torch, dtype))
 ids = tok.encode(open(sys.argv[5]).read())
-prompts = [ids[(i * 997) % (len(ids) - 300):][: 16 + (i * 53) % 241] for i in range(n)]
+length = int(sys.argv[7])  # 0: 16-256 tokens
+if length:  # the text over and over, each prompt from its own offset
+    ids = ids * (length // len(ids) + 2)
+prompts = [ids[(i * 997) % (len(ids) - max(300, length)):][: length or 16 + (i * 53) % 241] for i in range(n)]
 gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
 t0 = time.perf_counter()
 generate_batch(model, prompts[:4], GenerationConfig(max_new_tokens=4, do_sample=False), progress_bar=False,
@@ -80,7 +83,8 @@ def run(tree: str, extra: dict, args) -> dict:
     extra = dict(extra)
     env = dict([extra.pop("--env").split("=", 1)]) if "--env" in extra else None
     return H.run_child(CHILD, [args.dtype, args.prompts, args.new_tokens, json.dumps(config_kwargs(extra)), TEXT,
-                              str(Path(args.model).resolve()) if args.model else ""], tree=tree, env=env)
+                              str(Path(args.model).resolve()) if args.model else "", args.prompt_tokens],
+                       tree=tree, env=env)
 
 
 def main() -> None:
@@ -89,6 +93,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="every prompt this long (default: 16-256 tokens)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="", help="a local HF folder or .gguf file (default: the embedded model)")
     p.add_argument("--json", default=None)
@@ -101,8 +106,9 @@ def main() -> None:
         load.sample()
     names = list(systems)
     first = runs[names[0]][0]["tokens"]
-    print(f"{args.model or 'default model'}: {args.prompts} prompts, {args.new_tokens} new tokens, {args.dtype}, "
-          f"{args.repeats} interleaved rounds, "
+    lengths = f"{args.prompt_tokens}-token" if args.prompt_tokens else "16-256-token"
+    print(f"{args.model or 'default model'}: {args.prompts} {lengths} prompts, {args.new_tokens} new tokens, "
+          f"{args.dtype}, {args.repeats} interleaved rounds, "
           f"{load.line()}, {load.elapsed_s:.0f} s")
     base = H.Spread.of([r["tok_s"] for r in runs[names[0]]])
     rows = []

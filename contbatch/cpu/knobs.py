@@ -13,8 +13,8 @@ comparison with the module it replaces); `"off"` keeps PyTorch's own ops everywh
 - `rotary`: `"auto"` or `"off"` (the fused rotary embedding);
 - `layer`: `"auto"`, `"layer"` or `"off"` (decoder layers as one call; `"layer"`: no stack);
 - `prefill`: `"auto"` or `"off"` (prompt chunks' attention in our kernel, or SDPA);
-- `prefetch`: `"auto"`, `"ahead"` or `"none"` (whether the one-row kernels ask for their weight
-  streams ahead: measured per machine, always, never; `prefetch.py`).
+- `prefetch`: `"auto"`, `"l1"`, `"l2"` or `"none"` (how the few-row kernels ask for their
+  weight and K/V streams ahead: measured per machine, into L1, into L2, never; `prefetch.py`).
 
 "off" always means "not ours: PyTorch's own code"; `"aten"` is one of the linear kernels the
 router chooses between.
@@ -40,7 +40,7 @@ OVERRIDES: dict[str, tuple] = {
     "rotary": ("auto", "off"),
     "layer": ("auto", "layer", "off"),
     "prefill": ("auto", "off"),
-    "prefetch": ("auto", "ahead", "none"),
+    "prefetch": ("auto", "l1", "l2", "none"),
 }
 # The kernels put on a model's modules (the routers), as opposed to the attention's prefill
 # kernel, which the attention backend runs.

@@ -86,14 +86,18 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.contbatch_cpu.small_linear(x, weight, bias)
 
 
-STREAM_KINDS = ("float", "packed")  # the weight streams whose prefetch distance is set apart
+STREAM_KINDS = ("float", "packed", "kv")  # the streams whose prefetch is set apart (csrc/vec.h)
+FILL_LEVELS = (1, 2)  # the cache a prefetch fills: L1 (`prefetcht0`), L2 (`prefetcht1`)
 
 
-def stream_prefetch(kind: str, distance: int | None = None) -> int:
-    """The bytes ahead that one-row kernels ask for a weight stream of `kind` (`STREAM_KINDS`:
-    `small_linear`'s float rows, the tiled packed kernels'), 0 for not at all; with `distance`
-    (a multiple of 64) set for the whole process. Returns the distance in force before."""
-    return torch.ops.contbatch_cpu.stream_prefetch(STREAM_KINDS.index(kind), -1 if distance is None else distance)
+def stream_prefetch(kind: str, setting: tuple[int, int] | None = None) -> tuple[int, int]:
+    """How the kernels ask for a stream of `kind` (`STREAM_KINDS`: `small_linear`'s float
+    weight for one row, the tiled packed kernels' codes for one or two, the decode attention's
+    K/V rows) ahead: (bytes ahead, 0 for not at all; the level they fill, `FILL_LEVELS`); with
+    `setting` (bytes a multiple of 64) set for the whole process. Returns the setting before."""
+    bytes_, level = (-1, 1) if setting is None else setting
+    before = torch.ops.contbatch_cpu.stream_prefetch(STREAM_KINDS.index(kind), bytes_, level)
+    return before[0], before[1]
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class CpuPlan:
     layer: LayerPlan | None = None  # the decoder layers run as one call (None: not on the CPU, or not planned)
     prefill: bool = False  # the torch backend's prompt chunks attend in our C++ kernel (else SDPA)
     pages: PagesPlan | None = None  # the weights a decode step streams, on 2 MiB pages (None: not on the CPU)
-    prefetch: PrefetchPlan | None = None  # whether one-row kernels ask for those streams ahead (None: not on the CPU)
+    prefetch: PrefetchPlan | None = None  # how few-row kernels ask for their streams ahead (None: not on the CPU)
 
     def describe(self, prefill: bool = True) -> str:
         """One line for the start-up log; `prefill`: say what the prefill attention runs (on the
@@ -64,17 +64,18 @@ def plan_cpu(model: torch.nn.Module, knobs: CpuKnobs, *, prefill: bool = False, 
         return CpuPlan(knobs, linear, prefill=prefill)
     one_row = one_row_weights(model, linear)
     pages = plan_pages(decode_weights(model, one_row))
-    prefetch = plan_prefetch(stream_kinds(model, one_row), knobs.prefetch, pages.move)
+    prefetch = plan_prefetch(stream_kinds(model, one_row, decode_kernel), knobs.prefetch, pages.move)
     norm = plan_norm(model, knobs.norm)
     rotary = plan_rotary(model, knobs.rotary)
     layer = plan_layer(model, knobs.layer, linear, norm, rotary, decode_kernel, eager_paths) if layers else None
     return CpuPlan(knobs, linear, norm, rotary, layer, prefill, pages, prefetch)
 
 
-def stream_kinds(model: torch.nn.Module, one_row: list[torch.Tensor]) -> tuple[str, ...]:
-    """The kinds of weight stream (`ops.STREAM_KINDS`) our one-row kernels read in `model`'s
-    steps: float linears the router may put on `small_linear` (`one_row`), tiled packed ones."""
+def stream_kinds(model: torch.nn.Module, one_row: list[torch.Tensor], decode_kernel: bool) -> tuple[str, ...]:
+    """The kinds of stream (`ops.STREAM_KINDS`) our few-row kernels read in `model`'s steps:
+    float linears the router may put on `small_linear` (`one_row`), tiled packed ones, and the
+    K/V rows of our decode attention (`decode_kernel`)."""
     if not native.load()[0]:
         return ()
     packed = any(isinstance(m, QuantLinear) and m.fmt.tiled for m in model.modules())
-    return (*(("float",) if one_row else ()), *(("packed",) if packed else ()))
+    return (*(("float",) if one_row else ()), *(("packed",) if packed else ()), *(("kv",) if decode_kernel else ()))

@@ -1,16 +1,19 @@
-"""Whether the one-row kernels ask for their weight streams ahead: chosen per machine, by measurement.
+"""How the kernels that stream memory for few rows ask for it ahead: chosen per machine, by measurement.
 
-A lone request's decode step streams every weight from memory once, one row against it. The
-C++ kernels that do it (`small_linear` for float weights, the tiled packed kernels for int8 and
-int4) can ask for each stream's lines 4 KiB ahead (`_mm_prefetch`, csrc/vec.h): the hardware
-prefetcher follows a stream within a 4 KiB page and starts over at the next, and the software
-request keeps the reads going across the border. On some CPUs that makes a lone decode step
-faster; on others the same requests slow every stream down (docs/cpu.md has both machines'
-figures). So each kind of stream (`ops.STREAM_KINDS`) that a model's steps run is timed both
-ways, once per machine: one-row products over memory twice the last-level cache
-(`probe.stream_bytes`, as the linear probe streams its weights), on 2 MiB pages where the
-model's weights move there (`weight_pages.py`), in interleaved passes; the requests are dropped
-where the passes without them are MARGIN faster, and kept otherwise. The kernels' values never
+A lone request's decode step streams every weight from memory once, one row against it, and
+its attention reads the request's keys and values, short runs of rows scattered over the cache.
+The C++ kernels that do it (`small_linear` for float weights, the tiled packed kernels for int8
+and int4, the decode attention's tiles) can ask for each stream's lines ahead (`_mm_prefetch`,
+csrc/vec.h), into L1 or into L2: the hardware prefetcher follows a stream within a 4 KiB page
+and starts over at the next, and the software requests keep the reads going across the border.
+What that is worth is the CPU's: on one the requests into L1 make a lone decode step faster, on
+another they slow every stream down while the same requests into L2 speed it up (docs/cpu.md has
+the figures). So each kind of stream (`ops.STREAM_KINDS`) that a model's steps run is timed once
+per machine in each setting (`SETTINGS`: none, into L1, into L2), in interleaved passes over
+memory twice the last-level cache (`probe.stream_bytes`, as the linear probe streams its
+weights): one-row products on 2 MiB pages where the model's weights move there
+(`weight_pages.py`), decode attention over a cache of long requests. The fastest setting is
+taken where it is MARGIN faster than the kernels' own (`DEFAULT`). The kernels' values never
 depend on it, only their speed.
 
 The verdict is kept beside the linear probe's timings (`$CONTBATCH_CACHE/linear_probe/<machine>
@@ -39,52 +42,57 @@ from .quant.format import QuantFormat, quantize, tile
 
 logger = logging.getLogger("contbatch")
 
-AHEAD = 4096  # bytes ahead when the kernels ask (csrc/vec.h's kPrefetchBytes, their default)
-MARGIN = 1.03  # passes without the requests must be this much faster to drop them
-ROUNDS = 8  # timed pairs of passes (one with, one without, in alternating order)
+AHEAD = 4096  # bytes ahead when the kernels ask (csrc/vec.h's kPrefetchBytes)
+SETTINGS = {"none": (0, 1), "l1": (AHEAD, 1), "l2": (AHEAD, 2)}  # name: ops.stream_prefetch's setting
+DEFAULT = "l1"  # the kernels' own (csrc/vec.h), kept unless another setting measures MARGIN faster
+MARGIN = 1.03
+ROUNDS = 8  # timed rounds, each one pass per setting (their order turned every round)
 _SHAPES = {"float": (2048, 1024), "packed": (8192, 1024)}  # a timed weight's [out, in]
+_KV = (2, 3, 64, 256, 2048)  # the timed cache's KV heads, query heads per KV head, dim, block size, keys a row
+_WORDS = {"none": "none", "l1": "into L1", "l2": "into L2"}
 
 
 @dataclass(frozen=True)
 class PrefetchPlan:
-    """Bytes ahead per kind of stream (0: no requests; None: the model's steps stream none of that
-    kind), and the start-up line's words."""
+    """The setting per kind of stream the model's steps run (`SETTINGS`' names), and the
+    start-up line's words."""
 
-    float_streams: int | None
-    packed_streams: int | None
+    settings: dict[str, str]
     summary: str
 
-    def distances(self) -> dict[str, int]:
-        pairs = zip(ops.STREAM_KINDS, (self.float_streams, self.packed_streams))
-        return {kind: d for kind, d in pairs if d is not None}
-
-    def apply(self) -> dict[str, int]:
-        """Set the distances for the process; returns those in force before (for `restore`)."""
-        return {kind: ops.stream_prefetch(kind, d) for kind, d in self.distances().items()}
+    def apply(self) -> dict[str, tuple[int, int]]:
+        """Set the kinds' settings for the process; returns those in force before (for `restore`)."""
+        return {kind: ops.stream_prefetch(kind, SETTINGS[name]) for kind, name in self.settings.items()}
 
     @staticmethod
-    def restore(before: dict[str, int]) -> None:
-        for kind, d in before.items():
-            ops.stream_prefetch(kind, d)
+    def restore(before: dict[str, tuple[int, int]]) -> None:
+        for kind, setting in before.items():
+            ops.stream_prefetch(kind, setting)
+
+
+def choose(times: dict[str, float]) -> str:
+    """The fastest setting where it beats DEFAULT by MARGIN, else DEFAULT."""
+    best = min(times, key=times.__getitem__)
+    return best if times[best] * MARGIN <= times[DEFAULT] else DEFAULT
 
 
 def plan_prefetch(kinds: tuple[str, ...], asked: str, huge: bool) -> PrefetchPlan:
-    """The distances for the stream kinds a model's one-row steps run (`kinds`), as `asked`
-    (the `prefetch` override: knobs.OVERRIDES); "auto" takes the machine's verdict, measured here
-    the first time (`huge`: time on 2 MiB pages, as the model's weights are)."""
-    distances, words = {}, []
+    """The settings for the stream kinds a model's steps run (`kinds`), as `asked` (the
+    `prefetch` override: knobs.OVERRIDES); "auto" takes the machine's verdict, measured here
+    the first time (`huge`: weights timed on 2 MiB pages, as the model's are)."""
+    settings, words = {}, []
     for kind in kinds:
         if asked != "auto":
-            distances[kind] = AHEAD if asked == "ahead" else 0
-            words.append(f"{kind} {'ahead' if distances[kind] else 'none'} (as asked)")
+            settings[kind] = asked
+            words.append(f"{kind} {_WORDS[asked]} (as asked)")
             continue
-        (on, off), measured = verdict(kind, huge)
-        distances[kind] = 0 if on >= MARGIN * off else AHEAD
+        times, measured = verdict(kind, huge)
+        settings[kind] = choose(times)
         how = "measured" if measured else "from the probe file"
-        words.append(f"{kind} {'none' if distances[kind] == 0 else f'{AHEAD} B ahead'} "
-                     f"({how}: without {on / off:.2f}x as fast)")
-    summary = "one-row weight streams: " + ", ".join(words) if words else "no one-row weight streams of ours"
-    return PrefetchPlan(distances.get("float"), distances.get("packed"), summary)
+        ratios = ", ".join(f"{_WORDS[n]} {times[DEFAULT] / times[n]:.2f}x" for n in SETTINGS if n != DEFAULT)
+        words.append(f"{kind} {_WORDS[settings[kind]]} ({how}, against {_WORDS[DEFAULT]}: {ratios})")
+    summary = "streams: " + ", ".join(words) if words else "no streams of our few-row kernels"
+    return PrefetchPlan(settings, summary)
 
 
 def _path() -> Path:
@@ -92,47 +100,47 @@ def _path() -> Path:
 
 
 def _read() -> dict:
-    """The file's verdicts ({kind: [seconds with, seconds without]}); {} when absent or damaged."""
+    """The file's verdicts ({kind: {setting: median seconds a pass}}); {} when absent or damaged."""
     try:
         loaded = json.loads(_path().read_bytes())
     except Exception:  # absent, unreadable, not JSON: measure again
         return {}
     if not isinstance(loaded, dict):
         return {}
-    return {k: v for k, v in loaded.items() if k in ops.STREAM_KINDS and isinstance(v, list) and len(v) == 2
-            and all(type(t) is float and t > 0 for t in v)}
+    return {k: v for k, v in loaded.items() if k in ops.STREAM_KINDS and isinstance(v, dict)
+            and set(v) == set(SETTINGS) and all(type(t) is float and t > 0 for t in v.values())}
 
 
-_verdicts: dict[str, tuple[float, float]] = {}  # this process's (a loaded machine's stay here only)
+_verdicts: dict[str, dict[str, float]] = {}  # this process's (a loaded machine's stay here only)
 
 
-def verdict(kind: str, huge: bool) -> tuple[tuple[float, float], bool]:
-    """((median seconds a pass with the requests, without), whether measured now)."""
+def verdict(kind: str, huge: bool) -> tuple[dict[str, float], bool]:
+    """({setting: median seconds a pass}, whether measured now)."""
     if kind in _verdicts:
         return _verdicts[kind], False
     stored = _read().get(kind)
     if stored is not None:
-        _verdicts[kind] = (stored[0], stored[1])
-        return _verdicts[kind], False
+        _verdicts[kind] = stored
+        return stored, False
     watch = ForeignLoad()
     _verdicts[kind] = measure(kind, huge)
     foreign = watch.cores()
     if foreign is not None and foreign > probe.FOREIGN_LIMIT:
-        logger.warning("contbatch: one-row prefetch timed while other processes kept %.1f CPUs busy: not saved",
+        logger.warning("contbatch: stream prefetch timed while other processes kept %.1f CPUs busy: not saved",
                        foreign)
     else:
         _save(kind, _verdicts[kind])
     return _verdicts[kind], True
 
 
-def _save(kind: str, times: tuple[float, float]) -> None:
+def _save(kind: str, times: dict[str, float]) -> None:
     path = _path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with cachefiles.locked(path.with_name(f"{path.name}.lock"), "saving the one-row prefetch verdict"):
-            cachefiles.write_atomic(path, json.dumps({**_read(), kind: list(times)}, indent=0, sort_keys=True))
+        with cachefiles.locked(path.with_name(f"{path.name}.lock"), "saving the stream prefetch verdict"):
+            cachefiles.write_atomic(path, json.dumps({**_read(), kind: times}, indent=0, sort_keys=True))
     except OSError as exc:  # a full or read-only cache: measure again next time
-        logger.warning("contbatch: one-row prefetch verdict not saved (%s)", exc)
+        logger.warning("contbatch: stream prefetch verdict not saved (%s)", exc)
 
 
 def _memory(nbytes: int, huge: bool) -> torch.Tensor:
@@ -166,24 +174,40 @@ def _packed_pass(pool: torch.Tensor) -> Callable[[], None]:
     return lambda: [ops.quant_linear(x, c, s, m, None, bits, 32) for c, s, m in copies]
 
 
-def measure(kind: str, huge: bool) -> tuple[float, float]:
-    """Median seconds of a pass over the stream memory with the requests and without, ROUNDS
-    interleaved pairs after one of each untimed; the process's distance is left as it was."""
-    make = _float_pass if kind == "float" else _packed_pass
-    run = make(_memory(probe.stream_bytes(), huge))
+def _kv_pass(pool: torch.Tensor) -> Callable[[], None]:
+    """Decode attention of rows of _KV's keys each whose blocks, shuffled, cover the cache once."""
+    kv_heads, group, dim, block, keys = _KV
+    slots = pool.numel() // 4 // (2 * kv_heads * dim) // block * block
+    caches = pool[: 2 * kv_heads * slots * dim * 4].view(torch.float32).view(2, kv_heads, slots, dim)
+    caches.fill_(0.25)
+    per_row = keys // block
+    rows = max(1, slots // block // per_row)
+    table = torch.randperm(rows * per_row, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = table.view(rows, per_row)
+    lens = torch.full((rows,), keys, dtype=torch.int32)
+    query = torch.full((rows, kv_heads * group, dim), 0.5)
+    return lambda: ops.paged_decode(query, caches[0], caches[1], table, lens, None, block, dim ** -0.5, None, None)
+
+
+def measure(kind: str, huge: bool) -> dict[str, float]:
+    """Median seconds of a pass over the stream memory in each setting, ROUNDS interleaved rounds
+    after one untimed pass of each; the process's setting is left as it was."""
+    make = {"float": _float_pass, "packed": _packed_pass, "kv": _kv_pass}[kind]
+    run = make(_memory(probe.stream_bytes(), huge and kind != "kv"))  # the KV cache is on 4 KiB pages
     before = ops.stream_prefetch(kind)
-    times: dict[int, list[float]] = {AHEAD: [], 0: []}
+    names = list(SETTINGS)
+    times: dict[str, list[float]] = {name: [] for name in names}
     try:
         with torch.inference_mode():
-            for distance in times:
-                ops.stream_prefetch(kind, distance)
+            for name in names:
+                ops.stream_prefetch(kind, SETTINGS[name])
                 run()
             for r in range(ROUNDS):
-                for distance in ((AHEAD, 0) if r % 2 == 0 else (0, AHEAD)):
-                    ops.stream_prefetch(kind, distance)
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    ops.stream_prefetch(kind, SETTINGS[name])
                     start = time.perf_counter()
                     run()
-                    times[distance].append(time.perf_counter() - start)
+                    times[name].append(time.perf_counter() - start)
     finally:
         ops.stream_prefetch(kind, before)
-    return statistics.median(times[AHEAD]), statistics.median(times[0])
+    return {name: statistics.median(t) for name, t in times.items()}

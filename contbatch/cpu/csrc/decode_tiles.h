@@ -32,13 +32,23 @@ constexpr int kPartVecs = 8 * kHeads;  // 8 keys x up to 4 heads
 constexpr int kLanes = sizeof(TileVec) / sizeof(float);
 
 // Keys (or values) a request reads are short runs of rows scattered over the cache, too short
-// for the hardware prefetcher to ramp up: ask for the row kAhead keys on while this one is used.
-// The score pass asks for the value rows too (`vh`), so the value pass after the softmax finds
-// its rows in cache and both streams are in flight at once.
-constexpr int64_t kAhead = 8;
+// for the hardware prefetcher to ramp up: ask for the row `keys` on while this one is used
+// (vec.h's kKvStreams setting: its bytes ahead in rows of this dtype and dim, at least one;
+// none for 0), into the level it names. The score pass asks for the value rows too (`vh`), so
+// the value pass after the softmax finds its rows in cache and both streams are in flight at once.
+struct KeysAhead {
+  int64_t keys;
+  bool l2;
+};
+template <int C, typename T>  // rows of C vectors
+inline KeysAhead keys_ahead() {
+  const Ahead a = stream_ahead(kKvStreams);
+  constexpr int64_t kRow = C * kLanes * sizeof(T);
+  return {a.bytes ? std::max<int64_t>(1, a.bytes / kRow) : 0, a.l2};
+}
 template <int C, typename T>  // a row of C vectors
-inline void prefetch_row(const T* row) {
-  for (size_t b = 0; b < C * kLanes * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+inline void prefetch_row(const T* row, bool l2) {
+  for (size_t b = 0; b < C * kLanes * sizeof(T); b += 64) prefetch_line(reinterpret_cast<const char*>(row) + b, l2);
 }
 #endif
 
@@ -85,6 +95,7 @@ constexpr int kGroupTile = C >= 16 ? 1 : C >= 8 ? 2 : 4;
 template <int C, int GB, typename T>
 void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m512* part,
                 const T* vh, int64_t v_slot) {
+  const KeysAhead ahead = keys_ahead<C, T>();
   __m512 qv[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
@@ -95,9 +106,9 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
         for (int g = 0; g < GB; ++g) part[g * 16 + jj] = _mm512_setzero_ps();
         continue;
       }
-      if (j0 + jj + kAhead < n) {
-        prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
-        if (vh) prefetch_row<C>(vh + slots[j0 + jj + kAhead] * v_slot);  // the value pass's rows
+      if (ahead.keys && j0 + jj + ahead.keys < n) {
+        prefetch_row<C>(kh + slots[j0 + jj + ahead.keys] * k_slot, ahead.l2);
+        if (vh) prefetch_row<C>(vh + slots[j0 + jj + ahead.keys] * v_slot, ahead.l2);  // the value pass's rows
       }
       const T* kr = kh + slots[j0 + jj] * k_slot;
       __m512 kv[C];
@@ -116,11 +127,12 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
 // acc[g] = sum_j p_gj v_j for the tile's GB heads, sums in registers.
 template <int C, int GB, typename T>
 void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, const float* sc, float* acc) {
+  const KeysAhead ahead = keys_ahead<C, T>();
   __m512 a[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
+    if (ahead.keys && j + ahead.keys < n) prefetch_row<C>(vh + slots[j + ahead.keys] * v_slot, ahead.l2);
     const T* vr = vh + slots[j] * v_slot;
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
@@ -175,6 +187,7 @@ template <int C, int GB, typename T>
 void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, const float* qf, float* sc, __m256* part,
                 const T* vh, int64_t v_slot) {
   constexpr int W = C < kChunk ? C : kChunk;
+  const KeysAhead ahead = keys_ahead<C, T>();
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - j0);
     for (int64_t jj = 0; jj < 8; ++jj) {
@@ -182,9 +195,9 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
         for (int g = 0; g < GB; ++g) part[g * 8 + jj] = _mm256_setzero_ps();
         continue;
       }
-      if (j0 + jj + kAhead < n) {
-        prefetch_row<C>(kh + slots[j0 + jj + kAhead] * k_slot);
-        if (vh) prefetch_row<C>(vh + slots[j0 + jj + kAhead] * v_slot);  // the value pass's rows
+      if (ahead.keys && j0 + jj + ahead.keys < n) {
+        prefetch_row<C>(kh + slots[j0 + jj + ahead.keys] * k_slot, ahead.l2);
+        if (vh) prefetch_row<C>(vh + slots[j0 + jj + ahead.keys] * v_slot, ahead.l2);  // the value pass's rows
       }
       const T* kr = kh + slots[j0 + jj] * k_slot;
       __m256 a[GB];
@@ -216,6 +229,7 @@ void score_tile(const T* kh, int64_t k_slot, const int64_t* slots, int64_t n, co
 template <int C, typename T>
 void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, int64_t group, const float* sc, float* acc) {
   constexpr int W = C < kChunk ? C : kChunk;
+  const KeysAhead ahead = keys_ahead<C, T>();
   for (int64_t g = 0; g < group; ++g) {
     const float* sg = sc + g * n;
     for (int c0 = 0; c0 < C; c0 += W) {
@@ -223,7 +237,8 @@ void value_tile(const T* vh, int64_t v_slot, const int64_t* slots, int64_t n, in
       for (int c = 0; c < W; ++c) a[c] = _mm256_setzero_ps();
       const bool first = g == 0 && c0 == 0;
       for (int64_t j = 0; j < n; ++j) {
-        if (first && j + kAhead < n) prefetch_row<C>(vh + slots[j + kAhead] * v_slot);
+        if (first && ahead.keys && j + ahead.keys < n)
+          prefetch_row<C>(vh + slots[j + ahead.keys] * v_slot, ahead.l2);
         const T* vr = vh + slots[j] * v_slot + c0 * 8;
         const __m256 p = _mm256_set1_ps(sg[j]);
         for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);

@@ -42,7 +42,7 @@ constexpr int64_t kSymmetricFlag = 512;
 // WIDE: int4 tiles unpacked to a byte a code (unpack_tile), read as int8 tiles with no flip.
 template <int BITS, int R, int O, int D, bool WIDE = false>
 inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64_t r0, int64_t b,
-                       __m512i (&a)[O][R][3], int64_t distance) {
+                       __m512i (&a)[O][R][3], Ahead ahead) {
   const int64_t in = xd.in;
   const int8_t* digits[3] = {xd.d[0].data() + r0 * in, xd.d[1].data() + r0 * in, xd.d[2].data() + r0 * in};
   auto dots = [&](int64_t i, const __m512i (&w)[O]) {  // inputs i..i+3 of each row's digits against w
@@ -57,14 +57,13 @@ inline void block_dots(const uint8_t* const (&tile)[O], const XDigits& xd, int64
         for (int o = 0; o < O; ++o) a[o][r][k] = _mm512_dpbusd_epi32(a[o][r][k], w[o], quad);
       }
   };
-  if constexpr (R <= 2 && !WIDE) {  // one or two rows stream the codes: ask for each tile's block `distance` on
+  if constexpr (R <= 2 && !WIDE) {  // one or two rows stream the codes: ask for each tile's block `ahead` on
     constexpr int64_t kLines = BITS == 8 ? 8 : 4;  // a block's 64-byte lines of one tile's codes
-    if (distance) {
+    if (ahead.bytes) {
 #pragma GCC unroll 4
       for (int o = 0; o < O; ++o)
 #pragma GCC unroll 8
-        for (int64_t q = 0; q < kLines; ++q)
-          _mm_prefetch(reinterpret_cast<const char*>(tile[o] + (b * kLines + q) * 64 + distance), _MM_HINT_T0);
+        for (int64_t q = 0; q < kLines; ++q) prefetch_line(tile[o] + (b * kLines + q) * 64 + ahead.bytes, ahead.l2);
     }
   }
   __m512i w[O];
@@ -119,7 +118,7 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
                 int64_t t, int64_t stride, const uint8_t* wide = nullptr) {
   constexpr bool kMins = BITS == 4 && !SYM;  // a symmetric weight's min is in its integer sums
   const int64_t groups = p.groups(), per_group = p.group / 32, tile_bytes = kTile * p.row_bytes();
-  const int64_t distance = stream_prefetch(kPackedStreams).load(std::memory_order_relaxed);  // vec.h
+  const Ahead ahead = stream_ahead(kPackedStreams);  // vec.h
   const uint8_t* tile[O];
   __m512 acc[O][R];
 #pragma GCC unroll 4
@@ -150,7 +149,7 @@ void tiled_rows(const Packed& p, const XDigits& xd, int64_t r0, const float* bia
           for (int o = 0; o < O; ++o) a[o][r][k] = start;
         }
       }
-      block_dots<BITS, R, O, D, WIDE>(tile, xd, r0, b, a, distance);
+      block_dots<BITS, R, O, D, WIDE>(tile, xd, r0, b, a, ahead);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t c = (r0 + r) * xd.blocks + b;

@@ -52,15 +52,16 @@ void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, in
     for (int r = 0; r < R; ++r) a[q][r][0] = a[q][r][1] = _mm512_setzero_ps();
   int64_t i = 0;
   // one row streams the weight: ask for the lines this far on (vec.h's stream_prefetch; 0: not)
-  const int64_t distance = R == 1 ? stream_prefetch(kFloatStreams).load(std::memory_order_relaxed) : 0;
+  const Ahead ahead_of = R == 1 ? stream_ahead(kFloatStreams) : Ahead{0, false};
+  const int64_t distance = ahead_of.bytes;
   for (; i + 32 <= in; i += 32) {
 #pragma GCC unroll 4
     for (int q = 0; q < O; ++q) {
       const W* wr = w + (o0 + q * stride) * in;
       if (R == 1 && distance) {
         const char* ahead = reinterpret_cast<const char*>(wr + i) + distance;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        if constexpr (sizeof(W) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        prefetch_line(ahead, ahead_of.l2);
+        if constexpr (sizeof(W) == 4) prefetch_line(ahead + 64, ahead_of.l2);
       }
       const __m512 v0 = load16(wr + i), v1 = load16(wr + i + 16);
 #pragma GCC unroll 8
@@ -323,13 +324,17 @@ at::Tensor routed_linear(const at::Tensor& input, const at::Tensor& weight, cons
   }
 }
 
-// The prefetch distance of one kind of weight stream (vec.h's stream_prefetch: 0 float, 1
-// packed), set to `bytes` (>= 0, a multiple of 64) or only read (-1); returns the one before.
-int64_t stream_prefetch_op(int64_t kind, int64_t bytes) {
-  TORCH_CHECK(kind == kFloatStreams || kind == kPackedStreams, "stream_prefetch: kind 0 (float) or 1 (packed)");
+// The prefetch setting of one kind of stream (vec.h's stream_prefetch: 0 float weights, 1
+// packed codes, 2 decode attention's K/V rows): `bytes` ahead (a multiple of 64, 0 for none)
+// filling `level` (1: L1, 2: L2), or only read (bytes -1). Returns the setting before, [bytes,
+// level].
+std::vector<int64_t> stream_prefetch_op(int64_t kind, int64_t bytes, int64_t level) {
+  TORCH_CHECK(kind >= 0 && kind < kStreamKinds, "stream_prefetch: kind 0 (float), 1 (packed) or 2 (kv)");
   TORCH_CHECK(bytes == -1 || (bytes >= 0 && bytes % 64 == 0), "stream_prefetch: bytes a multiple of 64, or -1");
-  std::atomic<int64_t>& distance = stream_prefetch(kind);
-  return bytes < 0 ? distance.load() : distance.exchange(bytes);
+  TORCH_CHECK(bytes == -1 || level == kFillL1 || level == kFillL2, "stream_prefetch: level 1 (L1) or 2 (L2)");
+  std::atomic<int64_t>& setting = stream_prefetch(kind);
+  const int64_t before = bytes < 0 ? setting.load() : setting.exchange(bytes | level);
+  return {before & ~int64_t{63}, before & 63};
 }
 
 }  // namespace
@@ -356,7 +361,7 @@ TORCH_LIBRARY_FRAGMENT(contbatch_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def("routed_linear(Tensor x, Tensor weight, Tensor? bias, int one, int few, int batch, int many) -> Tensor");
-  m.def("stream_prefetch(int kind, int bytes) -> int", stream_prefetch_op);
+  m.def("stream_prefetch(int kind, int bytes, int level) -> int[]", stream_prefetch_op);
 }
 
 TORCH_LIBRARY_IMPL(contbatch_cpu, CPU, m) {

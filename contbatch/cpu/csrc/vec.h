@@ -25,18 +25,40 @@
 
 namespace contbatch_vec {
 
-// How far ahead a kernel streaming a weight for one row (packed weights: one or two) asks for
-// it (`_mm_prefetch` into L1), in each of its streams: the hardware prefetcher follows a stream
-// within a 4 KiB page and starts over at the next, and a software request a page on keeps the
-// reads going across the border. That holds on some CPUs; on others the same requests slow
-// the streams down (docs/cpu.md has the figures). So the distance is the process's, per kind of
-// weight (kFloatStreams: small_linear's float rows; kPackedStreams: the tiled packed kernels),
-// 0 for none, set through the `stream_prefetch` op from a start-up measurement (cpu/prefetch.py).
+// How far ahead a kernel streaming memory for few rows asks for it (`_mm_prefetch`), and into
+// which cache, per kind of stream: kFloatStreams, small_linear's float weight for one row;
+// kPackedStreams, the tiled packed kernels' codes for one or two rows; kKvStreams, the decode
+// attention's key and value rows (short runs scattered over the cache, too short for the
+// hardware prefetcher to ramp up). The hardware prefetcher follows a stream within a 4 KiB page
+// and starts over at the next, and a software request a page on keeps the reads going across
+// the border. That holds on some CPUs; on others the same requests slow the streams down, or
+// speed them up only when they fill L2 rather than L1 (docs/cpu.md has the figures). So the
+// setting is the process's, per kind, set through the `stream_prefetch` op from a start-up
+// measurement (cpu/prefetch.py): one word, the bytes ahead (a multiple of 64; 0 for no
+// requests) plus the level they fill (kFillL1, `prefetcht0`, or kFillL2, `prefetcht1`).
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kFloatStreams = 0, kPackedStreams = 1;
+constexpr int64_t kFloatStreams = 0, kPackedStreams = 1, kKvStreams = 2, kStreamKinds = 3;
+constexpr int64_t kFillL1 = 1, kFillL2 = 2;
 inline std::atomic<int64_t>& stream_prefetch(int64_t kind) {
-  static std::atomic<int64_t> bytes[2] = {kPrefetchBytes, kPrefetchBytes};
-  return bytes[kind];
+  static std::atomic<int64_t> setting[kStreamKinds] = {kPrefetchBytes | kFillL1, kPrefetchBytes | kFillL1,
+                                                       kPrefetchBytes | kFillL1};
+  return setting[kind];
+}
+
+// A kind's setting as read by a kernel: bytes ahead (0: none) and whether into L2.
+struct Ahead {
+  int64_t bytes;
+  bool l2;
+};
+inline Ahead stream_ahead(int64_t kind) {
+  const int64_t word = stream_prefetch(kind).load(std::memory_order_relaxed);
+  return {word & ~int64_t{63}, (word & 63) == kFillL2};
+}
+inline void prefetch_line(const void* p, bool l2) {  // prefetcht1 or prefetcht0 on x86
+  if (l2)
+    __builtin_prefetch(p, 0, 2);
+  else
+    __builtin_prefetch(p, 0, 3);
 }
 
 inline float widen(float v) { return v; }

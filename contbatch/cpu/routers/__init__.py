@@ -3,9 +3,9 @@ embeddings and decoder layers on the kernels its `CpuPlan` chose, installed for 
 manager and taken back at its stop, the decoder layers last (their one call runs the others'
 kernels). Installing first moves the weights a decode step streams onto 2 MiB pages where the
 plan says so (`weight_pages.py`; once per model: they stay there after the stop), and sets the
-one-row kernels' prefetch distances the plan measured (`prefetch.py`; the process's, put back
-at the stop). The manager
-does this for the target model, the draft proposer for a draft model's own plan."""
+few-row kernels' prefetch settings the plan measured (`prefetch.py`; the process's, put back at
+the stop). The manager does this for the target model, the draft proposer for a draft model's
+own plan."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class CpuRouters(Router):
     def __init__(self, model: torch.nn.Module, plan: CpuPlan | None) -> None:
         self.routers: list[Router] = []
         self.model, self.plan = model, plan
-        self._prefetch_before: dict[str, int] = {}
+        self._prefetch_before: dict[str, tuple[int, int]] = {}
         if plan is None:
             return
         self.routers.append(LinearRouter(model, plan.linear))
