@@ -87,14 +87,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 STREAM_KINDS = ("float", "packed", "kv")  # the streams whose prefetch is set apart (csrc/vec.h)
-FILL_LEVELS = (1, 2)  # the cache a prefetch fills: L1 (`prefetcht0`), L2 (`prefetcht1`)
 
 
 def stream_prefetch(kind: str, setting: tuple[int, int] | None = None) -> tuple[int, int]:
     """How the kernels ask for a stream of `kind` (`STREAM_KINDS`: `small_linear`'s float
     weight for one row, the tiled packed kernels' codes for one or two, the decode attention's
-    K/V rows) ahead: (bytes ahead, 0 for not at all; the level they fill, `FILL_LEVELS`); with
-    `setting` (bytes a multiple of 64) set for the whole process. Returns the setting before."""
+    K/V rows) ahead: (bytes ahead, 0 for not at all; the cache they fill, 1 for L1 or 2 for L2);
+    with `setting` (bytes a multiple of 64) set for the whole process. Returns the one before."""
     bytes_, level = (-1, 1) if setting is None else setting
     before = torch.ops.contbatch_cpu.stream_prefetch(STREAM_KINDS.index(kind), bytes_, level)
     return before[0], before[1]

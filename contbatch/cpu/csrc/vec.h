@@ -25,8 +25,8 @@
 
 namespace contbatch_vec {
 
-// How far ahead a kernel streaming memory for few rows asks for it (`_mm_prefetch`), and into
-// which cache, per kind of stream: kFloatStreams, small_linear's float weight for one row;
+// How far ahead a kernel streaming memory for few rows asks for it (software prefetches), and
+// into which cache, per kind of stream: kFloatStreams, small_linear's float weight for one row;
 // kPackedStreams, the tiled packed kernels' codes for one or two rows; kKvStreams, the decode
 // attention's key and value rows (short runs scattered over the cache, too short for the
 // hardware prefetcher to ramp up). The hardware prefetcher follows a stream within a 4 KiB page
