@@ -42,8 +42,11 @@ from .quant.format import QuantFormat, quantize, tile
 
 logger = logging.getLogger("contbatch")
 
-AHEAD = 4096  # bytes ahead when the kernels ask (csrc/vec.h's kPrefetchBytes)
-SETTINGS = {"none": (0, 1), "l1": (AHEAD, 1), "l2": (AHEAD, 2)}  # name: ops.stream_prefetch's setting
+# (bytes ahead, cache level) per setting and kind. Into L1 as the kernels ask by default
+# (csrc/vec.h: the weights a page ahead, the K/V rows 2 KiB); into L2 the K/V rows a page ahead
+# too, which measured faster than 2 KiB there.
+SETTINGS = ("none", "l1", "l2")
+_AHEAD = {"l1": {"float": 4096, "packed": 4096, "kv": 2048}, "l2": {"float": 4096, "packed": 4096, "kv": 4096}}
 DEFAULT = "l1"  # the kernels' own (csrc/vec.h), kept unless another setting measures MARGIN faster
 MARGIN = 1.03
 ROUNDS = 8  # timed rounds, each one pass per setting (their order turned every round)
@@ -62,12 +65,17 @@ class PrefetchPlan:
 
     def apply(self) -> dict[str, tuple[int, int]]:
         """Set the kinds' settings for the process; returns those in force before (for `restore`)."""
-        return {kind: ops.stream_prefetch(kind, SETTINGS[name]) for kind, name in self.settings.items()}
+        return {kind: ops.stream_prefetch(kind, setting(kind, name)) for kind, name in self.settings.items()}
 
     @staticmethod
     def restore(before: dict[str, tuple[int, int]]) -> None:
         for kind, setting in before.items():
             ops.stream_prefetch(kind, setting)
+
+
+def setting(kind: str, name: str) -> tuple[int, int]:
+    """`ops.stream_prefetch`'s (bytes ahead, level) for setting `name` of stream `kind`."""
+    return (0, 1) if name == "none" else (_AHEAD[name][kind], 1 if name == "l1" else 2)
 
 
 def choose(times: dict[str, float]) -> str:
@@ -200,11 +208,11 @@ def measure(kind: str, huge: bool) -> dict[str, float]:
     try:
         with torch.inference_mode():
             for name in names:
-                ops.stream_prefetch(kind, SETTINGS[name])
+                ops.stream_prefetch(kind, setting(kind, name))
                 run()
             for r in range(ROUNDS):
                 for name in names[r % len(names):] + names[: r % len(names)]:
-                    ops.stream_prefetch(kind, SETTINGS[name])
+                    ops.stream_prefetch(kind, setting(kind, name))
                     start = time.perf_counter()
                     run()
                     times[name].append(time.perf_counter() - start)

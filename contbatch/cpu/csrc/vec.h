@@ -35,13 +35,15 @@ namespace contbatch_vec {
 // speed them up only when they fill L2 rather than L1 (docs/cpu.md has the figures). So the
 // setting is the process's, per kind, set through the `stream_prefetch` op from a start-up
 // measurement (cpu/prefetch.py): one word, the bytes ahead (a multiple of 64; 0 for no
-// requests) plus the level they fill (kFillL1, `prefetcht0`, or kFillL2, `prefetcht1`).
-constexpr int64_t kPrefetchBytes = 4096;
+// requests) plus the level they fill (kFillL1, `prefetcht0`, or kFillL2, `prefetcht1`). The
+// weights are asked for a page ahead, the K/V rows 2 KiB ahead (8 rows of a 64-float32 head:
+// farther measured slower into L1 on short contexts).
+constexpr int64_t kPrefetchBytes = 4096, kKvPrefetchBytes = 2048;
 constexpr int64_t kFloatStreams = 0, kPackedStreams = 1, kKvStreams = 2, kStreamKinds = 3;
 constexpr int64_t kFillL1 = 1, kFillL2 = 2;
 inline std::atomic<int64_t>& stream_prefetch(int64_t kind) {
   static std::atomic<int64_t> setting[kStreamKinds] = {kPrefetchBytes | kFillL1, kPrefetchBytes | kFillL1,
-                                                       kPrefetchBytes | kFillL1};
+                                                       kKvPrefetchBytes | kFillL1};
   return setting[kind];
 }
 
