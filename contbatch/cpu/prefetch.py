@@ -3,7 +3,7 @@
 A lone request's decode step streams every weight from memory once, one row against it, and
 its attention reads the request's keys and values, short runs of rows scattered over the cache.
 The C++ kernels that do it (`small_linear` for float weights, the tiled packed kernels for int8
-and int4, the decode attention's tiles) can ask for each stream's lines ahead (`_mm_prefetch`,
+and int4, the decode attention's tiles) can ask for each stream's lines ahead (software prefetches,
 csrc/vec.h), into L1 or into L2: the hardware prefetcher follows a stream within a 4 KiB page
 and starts over at the next, and the software requests keep the reads going across the border.
 What that is worth is the CPU's: on one the requests into L1 make a lone decode step faster, on
@@ -189,7 +189,7 @@ def _kv_pass(pool: torch.Tensor) -> Callable[[], None]:
     caches = pool[: 2 * kv_heads * slots * dim * 4].view(torch.float32).view(2, kv_heads, slots, dim)
     caches.fill_(0.25)
     per_row = keys // block
-    rows = max(1, slots // block // per_row)
+    rows = slots // block // per_row  # at least 8: probe.MIN_STREAM_BYTES holds 8 rows' blocks
     table = torch.randperm(rows * per_row, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     table = table.view(rows, per_row)
     lens = torch.full((rows,), keys, dtype=torch.int32)

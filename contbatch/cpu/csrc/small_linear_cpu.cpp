@@ -52,16 +52,15 @@ void outputs(const float* x, const W* w, const float* bias, W* y, int64_t in, in
     for (int r = 0; r < R; ++r) a[q][r][0] = a[q][r][1] = _mm512_setzero_ps();
   int64_t i = 0;
   // one row streams the weight: ask for the lines this far on (vec.h's stream_prefetch; 0: not)
-  const Ahead ahead_of = R == 1 ? stream_ahead(kFloatStreams) : Ahead{0, false};
-  const int64_t distance = ahead_of.bytes;
+  const Ahead ahead = R == 1 ? stream_ahead(kFloatStreams) : Ahead{0, false};
   for (; i + 32 <= in; i += 32) {
 #pragma GCC unroll 4
     for (int q = 0; q < O; ++q) {
       const W* wr = w + (o0 + q * stride) * in;
-      if (R == 1 && distance) {
-        const char* ahead = reinterpret_cast<const char*>(wr + i) + distance;
-        prefetch_line(ahead, ahead_of.l2);
-        if constexpr (sizeof(W) == 4) prefetch_line(ahead + 64, ahead_of.l2);
+      if (R == 1 && ahead.bytes) {
+        const char* line = reinterpret_cast<const char*>(wr + i) + ahead.bytes;
+        prefetch_line(line, ahead.l2);
+        if constexpr (sizeof(W) == 4) prefetch_line(line + 64, ahead.l2);
       }
       const __m512 v0 = load16(wr + i), v1 = load16(wr + i + 16);
 #pragma GCC unroll 8
