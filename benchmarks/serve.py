@@ -181,7 +181,8 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
           f"load average before: {monitor.before[0]:.2f}", flush=True)
     monitor.warn_if_loaded()
     checks = check_servers(servers, names, requests, args)
-    ceilings = [serve_launch.measure_ceilings(args.reference_model, args.dtype)]
+    probe = serve_launch.CeilingProbe(args.reference_model, args.dtype)
+    probe.measure()
     read = {label: serve_launch.read_bytes(srv) for label, srv in launched.items()}
 
     def system(name: str):
@@ -192,9 +193,14 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
             return H.Sample(time.perf_counter() - t, toks, None, {"levels": levels})
         return run
 
-    samples = H.run_interleaved({n: system(n) for n in servers}, args.repeats, warmup=not args.no_warmup,
-                                worker=False, log=lambda s: print(s, flush=True))
-    ceilings.append(serve_launch.measure_ceilings(args.reference_model, args.dtype))
+    systems = {n: system(n) for n in servers}
+    systems[serve_launch.PROBE] = probe.sample
+    samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, worker=False,
+                                log=lambda s: print(s, flush=True))
+    samples.pop(serve_launch.PROBE)
+    probe.measure()
+    ceilings = probe.readings
+    probe.close()
     load = monitor.stop()
     print("\n" + H.load_line(load))
 

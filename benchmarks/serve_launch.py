@@ -98,19 +98,38 @@ def sweep_markdown(sweeps: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def measure_ceilings(reference_model: str, dtype: str = "float32") -> dict:
-    """The machine's matmul rate and weight-read bandwidth, measured in this run on the model the
-    servers load (`harness/ceilings.py`): the floors each server's figures are read against."""
-    import gc
+PROBE = "ceiling probe"  # a pseudo-server of the interleaved rounds: the ceilings, read again
 
-    model, _ = H.load(reference_model, dtype)
-    bw, nbytes, how = H.weight_read_bandwidth(model, repeats=3)
-    out = {"matmul_gflops": H.matmul_rate(next(model.parameters()).dtype, n=2048, seconds=0.5),
-           "weight_read_gb_s": bw, "weight_bytes": nbytes, "weight_reader": how,
-           "non_embedding_params": H.non_embedding_params(model)}
-    del model
-    gc.collect()
-    return out
+
+class CeilingProbe:
+    """The machine's matmul rate and weight-read bandwidth, measured on the model the servers
+    load (`harness/ceilings.py`): the floors each server's figures are read against. Read before
+    the rounds, between the servers' passes (`sample`, a system of the interleaved rounds) and
+    after them: this machine's bandwidth drifted by up to 2x within minutes, so readings taken
+    only before and after the rounds misread the passes between; the floors take the median of
+    every reading (`floors`). The reference model stays loaded until `close`."""
+
+    def __init__(self, reference_model: str, dtype: str = "float32") -> None:
+        self.model, _ = H.load(reference_model, dtype)
+        self.readings: list[dict] = []
+
+    def measure(self) -> dict:
+        model = self.model
+        bw, nbytes, how = H.weight_read_bandwidth(model, repeats=3)
+        self.readings.append({"matmul_gflops": H.matmul_rate(next(model.parameters()).dtype, n=2048, seconds=0.5),
+                              "weight_read_gb_s": bw, "weight_bytes": nbytes, "weight_reader": how,
+                              "non_embedding_params": H.non_embedding_params(model)})
+        return self.readings[-1]
+
+    def sample(self) -> H.Sample:
+        """One reading as a sample of the rounds: its bandwidth as the sample's rate (over a wall of 1 s)."""
+        return H.Sample(1.0, self.measure()["weight_read_gb_s"], None, {"unit": "GB/s"})
+
+    def close(self) -> None:
+        import gc
+
+        self.model = None
+        gc.collect()
 
 
 def read_bytes(server: servers.Server) -> tuple[int, str] | None:
@@ -152,7 +171,8 @@ def ceilings_line(ceilings: list[dict], read: dict[str, tuple[int, str] | None] 
     g = [c["matmul_gflops"] for c in ceilings]
     b = [c["weight_read_gb_s"] for c in ceilings]
     own = "; ".join(f"{name} {r[0] / 1e6:.0f} MB ({r[1]})" for name, r in (read or {}).items() if r)
-    return (f"Ceilings measured in this run (before and after the timed rounds): matmul {min(g):.1f}-{max(g):.1f} "
+    return (f"Ceilings measured in this run ({len(ceilings)} readings: before, between the servers' passes and "
+            f"after them; the floors at their medians): matmul {min(g):.1f}-{max(g):.1f} "
             f"GFLOP/s, weight read {min(b):.1f}-{max(b):.1f} GB/s ({ceilings[0]['weight_bytes'] / 1e6:.0f} MB, "
             f"{ceilings[0]['weight_reader']}). Of matmul floor: output tok/s over 2 x non-embedding params x "
             f"(prompt + output tokens) at that rate; decode of weight-read floor: 1000 / TPOT p50 over the bytes of "

@@ -206,6 +206,32 @@ def test_server_floors_come_from_the_ceilings_measured_in_the_run():
     assert "10.0-30.0 GFLOP/s" in serve_launch.ceilings_line([ceil, dict(ceil, matmul_gflops=30.0)])
 
 
+def test_the_ceiling_probe_reads_again_between_the_passes_and_the_floors_take_the_median(monkeypatch):
+    """serve.py reads the ceilings before the rounds, as one more system of the interleaved
+    rounds (between the servers' passes) and after them; the floors come from the median of every
+    reading, so a drift of the machine's bandwidth during the run moves the floor with it."""
+    import torch
+
+    bandwidths = iter([10.0, 40.0, 20.0, 30.0])
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(serve_launch.H, "load", lambda name, dtype: (model, None))
+    monkeypatch.setattr(serve_launch.H, "weight_read_bandwidth", lambda m, repeats: (next(bandwidths), 1_000, "sum"))
+    monkeypatch.setattr(serve_launch.H, "matmul_rate", lambda dtype, n, seconds: 50.0)
+    monkeypatch.setattr(serve_launch.H, "non_embedding_params", lambda m: 20)
+    probe = serve_launch.CeilingProbe("ref", "float32")
+    probe.measure()
+    samples = serve_launch.H.run_interleaved({"server": lambda: serve_launch.H.Sample(1.0, 5.0, None, {}),
+                                              serve_launch.PROBE: probe.sample}, repeats=2, warmup=False,
+                                             worker=False, log=lambda s: None)
+    assert [s.tok_s for s in samples[serve_launch.PROBE]] == [40.0, 20.0]
+    probe.measure()
+    probe.close()
+    assert probe.model is None and [c["weight_read_gb_s"] for c in probe.readings] == [10.0, 40.0, 20.0, 30.0]
+    level = {"total_input_tokens": 300, "total_output_tokens": 100}
+    assert serve_launch.floors(probe.readings, level)[1] == pytest.approx(25e9 / 1_000)  # the median, 25 GB/s
+    assert "4 readings" in serve_launch.ceilings_line(probe.readings)
+
+
 def test_a_quantized_server_is_read_against_the_bytes_of_its_own_file(work):
     """The one-stream floor of a server that loads a GGUF at a quant type is its file's tensor
     bytes, not the float reference's; a float contbatch server keeps the reference's."""
