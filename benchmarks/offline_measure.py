@@ -46,25 +46,13 @@ def posted(row: RowResult, wl: Workload) -> tuple[bool, str]:
     return counts_ok and exact, label
 
 
-CEILING = "ceiling probe"  # a pseudo-system: the hardware ceiling, re-measured in every round
-
-
-def ceiling_probe(measure: Callable[[], float], unit: str) -> Callable[[], H.Sample]:
-    """The ceiling as a system of the interleaved rounds (its reading as `tok_s`): this
-    machine's memory bandwidth and GEMM rate drifted by up to 2x within minutes (a one-row
-    product over the default model's weights took 11 ms, then 20 ms, 20 minutes apart), so a
-    floor measured once at the start misreads every later run. Fractions of the floor use the
-    median of the readings taken between the runs."""
-    return lambda: H.Sample(1.0, measure(), extra={"unit": unit})
-
-
 def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], flops_per_run: float, between,
                    log) -> dict:
     systems: dict[str, Callable[[], H.Sample]] = {}
     rows: dict[str, RowResult] = {}
     dtype = next(model.parameters()).dtype
     n = 1024 if args.sweep == "quick" else 2048  # as the ceiling measured at the start
-    systems[CEILING] = ceiling_probe(lambda: H.matmul_rate(dtype, n=n, seconds=0.3), "GFLOP/s")
+    systems[H.CEILING] = H.ceiling_probe(lambda: H.matmul_rate(dtype, n=n, seconds=0.3), "GFLOP/s")
     for fam in args.families:
         cfgs = [(Config(fam, ()), "default")]
         if best.get(fam) and best[fam] != cfgs[0][0]:
@@ -79,7 +67,7 @@ def bench_scenario(model, tok, wl: Workload, args, best: dict[str, Config], flop
             rows[cfg.label] = RowResult(cfg, role)
             systems[cfg.label] = runner(model, tok, wl, cfg)
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
-    gflops = H.Spread.of([s.tok_s for s in samples.pop(CEILING)])
+    gflops = H.Spread.of([s.tok_s for s in samples.pop(H.CEILING)])
     floor_tok_s = wl.generated_tokens / (flops_per_run / (gflops.median * 1e9))
     for name, ss in samples.items():
         rows[name].samples = ss
@@ -150,9 +138,9 @@ def bench_single(model, tok, prompt: list[int], args, ceilings: dict, is_fp32: b
         readers.append(how)
         return gb_s
 
-    systems[CEILING] = ceiling_probe(read, "GB/s")
+    systems[H.CEILING] = H.ceiling_probe(read, "GB/s")
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, between=between, log=log)
-    bandwidth = H.Spread.of([s.tok_s for s in samples.pop(CEILING)])
+    bandwidth = H.Spread.of([s.tok_s for s in samples.pop(H.CEILING)])
     floor_wr = bandwidth.median * 1e9 / ceilings["weight_bytes"]
     floor_mm = wl.generated_tokens / (2 * ceilings["non_embedding_params"] * (wl.prompt_tokens + wl.generated_tokens)
                                       / (ceilings["matmul_gflops"] * 1e9))

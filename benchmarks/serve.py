@@ -194,10 +194,10 @@ def _compare_timed(args, servers, names, launched, sweeps, requests, loads, plan
         return run
 
     systems = {n: system(n) for n in servers}
-    systems[serve_launch.PROBE] = probe.sample
+    systems[H.CEILING] = H.ceiling_probe(lambda: probe.measure()["weight_read_gb_s"], "GB/s")
     samples = H.run_interleaved(systems, args.repeats, warmup=not args.no_warmup, worker=False,
                                 log=lambda s: print(s, flush=True))
-    samples.pop(serve_launch.PROBE)
+    samples.pop(H.CEILING)
     probe.measure()
     ceilings = probe.readings
     probe.close()

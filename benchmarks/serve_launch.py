@@ -98,14 +98,11 @@ def sweep_markdown(sweeps: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-PROBE = "ceiling probe"  # a pseudo-server of the interleaved rounds: the ceilings, read again
-
-
 class CeilingProbe:
     """The machine's matmul rate and weight-read bandwidth, measured on the model the servers
     load (`harness/ceilings.py`): the floors each server's figures are read against. Read before
-    the rounds, between the servers' passes (`sample`, a system of the interleaved rounds) and
-    after them: this machine's bandwidth drifted by up to 2x within minutes, so readings taken
+    the rounds, between the servers' passes (`H.ceiling_probe` of its bandwidth, a system of the
+    interleaved rounds) and after them: this machine's bandwidth drifted by up to 2x within minutes, so readings taken
     only before and after the rounds misread the passes between; the floors take the median of
     every reading (`floors`). The reference model stays loaded until `close`."""
 
@@ -120,10 +117,6 @@ class CeilingProbe:
                               "weight_read_gb_s": bw, "weight_bytes": nbytes, "weight_reader": how,
                               "non_embedding_params": H.non_embedding_params(model)})
         return self.readings[-1]
-
-    def sample(self) -> H.Sample:
-        """One reading as a sample of the rounds: its bandwidth as the sample's rate (over a wall of 1 s)."""
-        return H.Sample(1.0, self.measure()["weight_read_gb_s"], None, {"unit": "GB/s"})
 
     def close(self) -> None:
         import gc

@@ -220,10 +220,11 @@ def test_the_ceiling_probe_reads_again_between_the_passes_and_the_floors_take_th
     monkeypatch.setattr(serve_launch.H, "non_embedding_params", lambda m: 20)
     probe = serve_launch.CeilingProbe("ref", "float32")
     probe.measure()
-    samples = serve_launch.H.run_interleaved({"server": lambda: serve_launch.H.Sample(1.0, 5.0, None, {}),
-                                              serve_launch.PROBE: probe.sample}, repeats=2, warmup=False,
-                                             worker=False, log=lambda s: None)
-    assert [s.tok_s for s in samples[serve_launch.PROBE]] == [40.0, 20.0]
+    H = serve_launch.H
+    reading = H.ceiling_probe(lambda: probe.measure()["weight_read_gb_s"], "GB/s")
+    samples = H.run_interleaved({"server": lambda: H.Sample(1.0, 5.0, None, {}), H.CEILING: reading}, repeats=2,
+                                warmup=False, worker=False, log=lambda s: None)
+    assert [s.tok_s for s in samples[H.CEILING]] == [40.0, 20.0]
     probe.measure()
     probe.close()
     assert probe.model is None and [c["weight_read_gb_s"] for c in probe.readings] == [10.0, 40.0, 20.0, 30.0]

@@ -17,7 +17,7 @@ Scripts `import harness as H` and use the names re-exported here.
 """
 
 from .args import add_common_args, add_model_args, comma_list, parse, parser
-from .ceilings import matmul_rate, non_embedding_params, weight_read_bandwidth
+from .ceilings import CEILING, ceiling_probe, matmul_rate, non_embedding_params, weight_read_bandwidth
 from .children import child_env, emit, parse_named, run_child
 from .load import NOISE_THRESHOLD, LoadMonitor, LoadRange, load_line, noisy_rule, wait_for_quiet
 from .machine import cpu_model, machine_info, machine_line
@@ -28,7 +28,7 @@ from .stats import Spread, fmt_ratio, ratio, spreads
 from .tokens import check_label, check_tokens, reference_tokens, same_tokens, worst_check
 
 __all__ = [
-    "NOISE_THRESHOLD", "LoadMonitor", "LoadRange", "wait_for_quiet", "Sample", "Spread", "Table", "add_common_args", "add_model_args",
+    "CEILING", "NOISE_THRESHOLD", "LoadMonitor", "LoadRange", "wait_for_quiet", "Sample", "Spread", "Table", "add_common_args", "add_model_args", "ceiling_probe",
     "check_label", "check_tokens", "child_env", "cleanup", "comma_list", "command_line", "cpu_model",
     "default_tokenizer", "dtype_of", "emit", "fmt_ratio", "in_worker", "interleaved_order", "load", "load_line",
     "log", "machine_info", "machine_line", "matmul_rate", "md_table", "noisy_rule", "non_embedding_params",

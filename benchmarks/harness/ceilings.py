@@ -7,13 +7,27 @@
   bytes / that bandwidth per token.
 
 These machines' GEMM rate and memory bandwidth drift by up to 2x within minutes, so benchmarks
-measure them again between their timed runs (`offline.py`'s ceiling probe) rather than once.
+measure them again between their timed runs (`ceiling_probe`: `offline.py`, `serve.py`) rather
+than once.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+
+from .running import Sample
+
+CEILING = "ceiling probe"  # a pseudo-system: the hardware ceiling, re-measured in every round
+
+
+def ceiling_probe(measure: Callable[[], float], unit: str) -> Callable[[], Sample]:
+    """The ceiling as a system of the interleaved rounds (its reading as `tok_s`, over a wall of
+    1 s): the machine's memory bandwidth and GEMM rate drift within minutes, so a floor measured
+    once at the start misreads every later run. Fractions of the floor use the median of the
+    readings taken between the runs."""
+    return lambda: Sample(1.0, measure(), extra={"unit": unit})
 
 
 def matmul_rate(dtype, n: int = 2048, seconds: float = 1.0) -> float:
